@@ -1,0 +1,1 @@
+"""compression: codecs for tensors that cross the network (no networking here)."""

@@ -1,0 +1,1 @@
+"""Subcommands of ``swarm``: one module per command, each exposing ``register(subparsers)``."""
