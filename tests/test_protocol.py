@@ -1,0 +1,149 @@
+"""The data-plane protocol: typed headers (pure) and a real loopback round trip between two P2P nodes."""
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from peer.protocol import (
+    PART_BYTES,
+    ForwardHeader,
+    Message,
+    Report,
+    call,
+    pack_tokens,
+    read_message,
+    serve,
+    to_parts,
+    unpack_tokens,
+)
+from swarm.errors import PeerFailure, RequestError
+
+
+def _fwd(**over):
+    tokens = torch.randint(0, 256, (2, 8))
+    h = ForwardHeader(
+        run_id="r",
+        spec_hash="abcd",
+        mb_id="t:1:0",
+        stage=0,
+        route=("a", "b"),
+        trainer="t",
+        mode="train",
+        batch=2,
+        seq=8,
+        tokens=pack_tokens(tokens),
+        targets=pack_tokens(tokens),
+    )
+    d = h.to_wire()
+    d.update(over)
+    return h, d
+
+
+def test_forward_header_round_trip():
+    h, d = _fwd()
+    assert ForwardHeader.from_wire(d) == h
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"batch": 3},
+        {"stage": 2},
+        {"mode": "steal"},
+        {"route": []},
+        {"tokens": b"x"},
+        {"run_id": ""},
+        {"batch": True},
+        {"sent_at": float("nan")},
+    ],
+)
+def test_forward_header_rejects(over):
+    _, d = _fwd(**over)
+    with pytest.raises(RequestError):
+        ForwardHeader.from_wire(d)
+
+
+def test_tokens_out_of_vocab_refused():
+    data = pack_tokens(torch.tensor([[0, 300]]))
+    with pytest.raises(RequestError, match="vocabulary"):
+        unpack_tokens(data, 1, 2, 256)
+    assert unpack_tokens(data, 1, 2, 301).tolist() == [[0, 300]]
+
+
+def test_report_validation():
+    r = Report(run_id="r", mb_id="m", kind="loss", stage=1, peer="p", loss=2.5, n_tokens=16, stats={"s": 1})
+    assert Report.from_wire(r.to_wire()).loss == 2.5
+    bad = r.to_wire() | {"kind": "boom"}
+    with pytest.raises(RequestError):
+        Report.from_wire(bad)
+
+
+async def _collect(parts):
+    for p in parts:
+        yield p
+
+
+def test_parts_split_and_reassemble():
+    payload = bytes(range(256)) * (PART_BYTES // 100)
+    parts = to_parts(Message({"a": 1}, payload))
+    assert len(parts) == -(-len(payload) // PART_BYTES)
+    msg = asyncio.run(read_message(_collect(parts)))
+    assert msg.payload == payload and msg.header["a"] == 1
+
+
+def test_read_message_checks_sizes():
+    parts = to_parts(Message({"a": 1}, b"x" * 100))
+    with pytest.raises(RequestError, match="cap"):
+        asyncio.run(read_message(_collect(parts), max_payload_bytes=10))
+    parts[0].metadata = parts[0].metadata.replace(b"payload_bytes", b"payload_bytez")
+    with pytest.raises(RequestError, match="payload_bytes"):
+        asyncio.run(read_message(_collect(parts)))
+    truncated = to_parts(Message({}, b"y" * (PART_BYTES + 5)))[:1]
+    with pytest.raises(RequestError, match="truncated"):
+        asyncio.run(read_message(_collect(truncated)))
+    garbage = to_parts(Message({}, b""))
+    garbage[0].metadata = b"\xc1\xff\x00"
+    with pytest.raises(RequestError, match="msgpack"):
+        asyncio.run(read_message(_collect(garbage)))
+
+
+def test_loopback_round_trip_and_refusal():
+    async def main():
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = await P2P.create(
+            initial_peers=await server.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+        )
+        try:
+            seen = []
+
+            async def handler(message, remote):
+                if message.header.get("refuse"):
+                    raise RequestError("refused on purpose")
+                seen.append((message.header["n"], len(message.payload), remote))
+                return {"echo": message.header["n"], "size": len(message.payload)}
+
+            await serve(server, "test.echo", handler, max_payload_bytes=8 << 20)
+            big = b"z" * (3 * PART_BYTES + 17)  # above the 2 MiB point where unary would be unsafe
+            reply = await call(client, server.peer_id, "test.echo", Message({"n": 7}, big), timeout_s=20)
+            assert reply == {"ok": True, "echo": 7, "size": len(big)}
+            assert seen[0][2] == client.peer_id
+            with pytest.raises(RequestError, match="refused on purpose"):
+                await call(client, server.peer_id, "test.echo", Message({"refuse": True}), timeout_s=20)
+            with pytest.raises(RequestError, match="cap"):
+                await call(
+                    client, server.peer_id, "test.echo", Message({"n": 1}, b"q" * (9 << 20)), timeout_s=20
+                )
+            # the server still answers after refusals
+            assert (await call(client, server.peer_id, "test.echo", Message({"n": 2}), timeout_s=20))[
+                "echo"
+            ] == 2
+            await server.shutdown()
+            with pytest.raises(PeerFailure):
+                await call(client, server.peer_id, "test.echo", Message({"n": 3}), timeout_s=5)
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(main())
