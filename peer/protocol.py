@@ -336,9 +336,7 @@ async def read_message(
     parts: AsyncIterator[runtime_pb2.ExpertRequest], *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
 ) -> Message:
     """Assemble a message from stream parts, validating sizes before buffering anything large."""
-    first = None
-    async for first in parts:
-        break
+    first = await anext(parts, None)
     if first is None:
         raise RequestError("empty request stream: expected at least one part with a header")
     if first.uid != PROTOCOL_TAG:
