@@ -127,6 +127,17 @@ def _check_int(value: int, key: str, what: str, lo: int, hi: int) -> int:
     return value
 
 
+def _check_stats(stats: Any, what: str) -> dict[str, float]:
+    if not isinstance(stats, dict) or len(stats) > 256:
+        raise RequestError(f"{what}: 'stats' must be a dict of at most 256 numbers")
+    clean = {}
+    for k, v in stats.items():
+        if not isinstance(k, str) or len(k) > 64 or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RequestError(f"{what}: 'stats' must map short names to numbers, got {str(k)[:64]!r}: {v!r}")
+        clean[k] = float(v)
+    return clean
+
+
 @dataclass(frozen=True)
 class ForwardHeader:
     """Header of a ``FORWARD`` message sent to the peer serving ``stage``.
@@ -148,6 +159,9 @@ class ForwardHeader:
     tokens: bytes
     targets: bytes
     sent_at: float = field(default_factory=time.time)
+    # per-hop figures accumulated along the route (e.g. "fwd_bytes_1", "fwd_compute_s_1"); the last
+    # stage copies them into its report so the trainer can account bytes per link.
+    stats: dict[str, float] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -191,6 +205,7 @@ class ForwardHeader:
             tokens=tokens,
             targets=targets,
             sent_at=float(sent_at),
+            stats=_check_stats(d.get("stats", {}), what),
         )
 
 
@@ -203,6 +218,7 @@ class BackwardHeader:
     mb_id: str
     stage: int
     sent_at: float = field(default_factory=time.time)
+    stats: dict[str, float] = field(default_factory=dict)  # accumulated like ForwardHeader.stats
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -219,6 +235,7 @@ class BackwardHeader:
             mb_id=_check_str(_get(d, "mb_id", str, what), "mb_id", what),
             stage=_check_int(_get(d, "stage", int, what), "stage", what, 0, _MAX_ROUTE),
             sent_at=float(sent_at),
+            stats=_check_stats(d.get("stats", {}), what),
         )
 
 
@@ -255,14 +272,6 @@ class Report:
         loss = d.get("loss")
         if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
             raise RequestError(f"{what}: 'loss' must be a number or None")
-        stats = d.get("stats", {})
-        if not isinstance(stats, dict) or len(stats) > 64:
-            raise RequestError(f"{what}: 'stats' must be a dict of at most 64 numbers")
-        clean_stats = {}
-        for k, v in stats.items():
-            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise RequestError(f"{what}: 'stats' must map names to numbers, got {k!r}: {v!r}")
-            clean_stats[k] = float(v)
         reason = d.get("reason", "")
         if not isinstance(reason, str):
             raise RequestError(f"{what}: 'reason' must be a string")
@@ -276,7 +285,7 @@ class Report:
             n_tokens=_check_int(int(d.get("n_tokens", 0)), "n_tokens", what, 0, 1 << 40),
             reason=reason[:2000],
             version=int(d.get("version", -1)),
-            stats=clean_stats,
+            stats=_check_stats(d.get("stats", {}), what),
         )
 
 
