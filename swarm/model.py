@@ -1,0 +1,316 @@
+"""The model: a GPT/Llama-style decoder cut into pipeline stages, each a plain ``nn.Module``.
+
+Stage 0 holds the token embedding, the last stage holds the final RMSNorm, the LM head and (via
+:func:`lm_loss`) the loss; every stage holds its share of the transformer blocks. Blocks are pre-norm
+residual (RMSNorm -> causal attention with RoPE -> residual; RMSNorm -> SwiGLU -> residual), with no
+biases anywhere.
+
+Same weights everywhere (the property the swarm relies on): each block is initialised from a seed
+derived from ``(spec.seed, layer index)`` with a local ``torch.Generator`` on CPU, and the embedding
+and head have their own derived seeds. So a layer's initial weights depend neither on the machine nor
+on how the layers are split into stages, and a peer that starts a stage from scratch agrees with
+every other peer that does. Parameter names use the global layer index (``layers.5.attn.qkv.weight``)
+so state dicts move between different stage splits unchanged.
+
+Try it::
+
+    python -c "from swarm.spec import RunSpec; from swarm.model import build_model; \
+m = build_model(RunSpec.from_yaml('examples/tiny.yaml')); print(sum(p.numel() for p in m.parameters()))"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from swarm.errors import ConfigError, RequestError
+from swarm.spec import ModelConfig, RunSpec
+
+__all__ = [
+    "StageModule",
+    "SwarmModel",
+    "build_stage",
+    "build_model",
+    "lm_loss",
+    "autocast_dtype",
+    "count_parameters",
+    "derive_seed",
+    "INIT_STD",
+]
+
+INIT_STD = 0.02
+"""Standard deviation of every weight matrix at init (residual projections are scaled down further)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 so bf16 activations do not lose the normaliser."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., C)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight.type_as(x)
+
+
+class Rotary(nn.Module):
+    """RoPE tables for positions 0..seq_len-1, kept as non-persistent buffers.
+
+    Non-persistent: they are a pure function of the config, so they stay out of state dicts (and out
+    of what peers send each other) yet still follow ``.to(device)``.
+    """
+
+    def __init__(self, head_dim: int, seq_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        positions = torch.arange(seq_len, dtype=torch.float64)
+        angles = torch.outer(positions, inv_freq)  # (T_max, D/2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, H, T, D) -> (B, H, T, D)
+        t = x.shape[-2]
+        cos = self.cos[:t].to(x.dtype)  # (T, D/2), broadcast over (B, H)
+        sin = self.sin[:t].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)  # rotate the pairs (x1[i], x2[i]) by angle[t, i]
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        b, t, c = x.shape  # (B, T, C)
+        q, k, v = self.qkv(x).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        q, k = rotary(q), rotary(k)  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = cfg.ffn_hidden_size
+        self.gate = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        x = x + self.attn(self.attn_norm(x), rotary)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic initialisation
+# ---------------------------------------------------------------------------------------------
+
+
+def derive_seed(seed: int, *tags: object) -> int:
+    """A 63-bit seed from the run seed and tags, e.g. ``derive_seed(0, "layer", 5)``.
+
+    Hashing (rather than ``seed + i``) keeps seeds of different parts unrelated, and never touches
+    the global RNG, so building a stage cannot change anything else the process draws.
+    """
+    text = "/".join([str(seed), *(str(t) for t in tags)])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def _init_(module: nn.Module, seed: int, *, residual_std: float) -> None:
+    """Initialise every parameter of ``module`` in registration order from one local generator.
+
+    Norm weights start at 1; matrices ~ N(0, 0.02), except residual-branch output projections
+    (attention ``proj``, SwiGLU ``down``), which use ``residual_std`` so the residual stream's variance
+    does not grow with depth (GPT-2's 1/sqrt(2 * n_layers)).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in module.named_parameters():
+        if p.dim() == 1:  # RMSNorm weight
+            p.fill_(1.0)
+        elif name.endswith(("attn.proj.weight", "ffn.down.weight")):
+            p.normal_(0.0, residual_std, generator=gen)
+        else:
+            p.normal_(0.0, INIT_STD, generator=gen)
+
+
+def _seeded(factory: Callable[[], nn.Module], seed: int, residual_std: float) -> nn.Module:
+    """``factory()`` built on the meta device, allocated on CPU, then initialised from ``seed``."""
+    with torch.device("meta"):
+        module = factory()
+    module = module.to_empty(device="cpu")
+    _init_(module, seed, residual_std=residual_std)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages and the whole model
+# ---------------------------------------------------------------------------------------------
+
+
+class StageModule(nn.Module):
+    """Layers ``[first, end)`` of the model, plus the embedding (stage 0) or norm + head (last stage).
+
+    Input: ``LongTensor (B, T)`` token ids on stage 0, float hidden states ``(B, T, C)`` elsewhere.
+    Output: hidden states ``(B, T, C)``, or logits ``(B, T, vocab)`` on the last stage.
+    """
+
+    def __init__(self, spec: RunSpec, stage: int):
+        super().__init__()
+        cfg = spec.model
+        self.cfg = cfg
+        self.stage = stage
+        self.num_stages = spec.num_stages
+        self.first_layer, self.end_layer = spec.stage_layers(stage)
+        self.is_first = stage == 0
+        self.is_last = stage == spec.num_stages - 1
+
+        # Parts are created on the meta device (no memory, no draws from the global RNG, which
+        # nn.Linear's default init would advance), then allocated on CPU and drawn from their seeds.
+        std = INIT_STD / math.sqrt(2 * cfg.n_layers)
+        seed = spec.seed
+        self.embed = (
+            _seeded(lambda: nn.Embedding(cfg.vocab_size, cfg.d_model), derive_seed(seed, "embed"), std)
+            if self.is_first
+            else None
+        )
+        self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        # Keyed by the global layer index so names do not depend on the stage split.
+        self.layers = nn.ModuleDict(
+            {
+                str(i): _seeded(lambda: Block(cfg), derive_seed(seed, "layer", i), std)
+                for i in range(self.first_layer, self.end_layer)
+            }
+        )
+        # RMSNorm weights start at 1 and draw nothing, so the seed is irrelevant.
+        self.norm = _seeded(lambda: RMSNorm(cfg.d_model, cfg.norm_eps), 0, std) if self.is_last else None
+        self.head = (
+            _seeded(
+                lambda: nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), derive_seed(seed, "head"), std
+            )
+            if self.is_last
+            else None
+        )
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Refuse an input this stage cannot take, before any compute (raises ``RequestError``)."""
+        if self.is_first:
+            if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
+                raise RequestError(
+                    f"stage 0 takes token ids of shape (B, T) and dtype int64, got {tuple(x.shape)} "
+                    f"{x.dtype}; send the micro-batch's token ids, not hidden states"
+                )
+        elif x.dim() != 3 or x.shape[-1] != self.cfg.d_model or not x.is_floating_point():
+            raise RequestError(
+                f"stage {self.stage} takes float hidden states of shape (B, T, {self.cfg.d_model}), got "
+                f"{tuple(x.shape)} {x.dtype}; check that the sender serves the same run spec"
+            )
+        if x.shape[0] < 1 or not 1 <= x.shape[1] <= self.cfg.seq_len:
+            raise RequestError(
+                f"stage {self.stage} got batch {x.shape[0]} x length {x.shape[1]}; the run allows "
+                f"1..{self.cfg.seq_len} tokens per sequence (model.seq_len) and at least one sequence"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        if self.embed is not None:
+            x = self.embed(x)  # (B, T) -> (B, T, C)
+        for block in self.layers.values():
+            x = block(x, self.rotary)  # (B, T, C)
+        if self.head is not None:
+            x = self.head(self.norm(x))  # (B, T, C) -> (B, T, vocab)
+        return x
+
+
+class SwarmModel(nn.Module):
+    """All stages in one process (for tests, evaluation and generation): chaining = the whole model."""
+
+    def __init__(self, stages: list[StageModule]):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        x = tokens
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def build_stage(spec: RunSpec, stage: int, *, device: torch.device | str | None = None) -> StageModule:
+    """Stage ``stage`` of ``spec`` with its deterministic initial weights, in float32.
+
+    Weights are always drawn on CPU (CPU and CUDA generators differ) and then moved to ``device``.
+    """
+    module = StageModule(spec, stage)
+    return module.to(device) if device is not None else module
+
+
+def build_model(spec: RunSpec, *, device: torch.device | str | None = None) -> SwarmModel:
+    """Every stage of ``spec`` chained; its weights equal those of the separately built stages."""
+    model = SwarmModel([build_stage(spec, i) for i in range(spec.num_stages)])
+    return model.to(device) if device is not None else model
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; logits ``(B, T, V)``, targets ``(B, T)`` (already shifted).
+
+    Computed in float32 even under autocast: a bf16 log-softmax over a large vocabulary loses digits.
+    """
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def autocast_dtype(spec: RunSpec, device: torch.device | str) -> torch.dtype | None:
+    """The dtype to autocast to on ``device`` for ``spec.autocast``, or None for full precision."""
+    device_type = torch.device(device).type
+    mode = spec.autocast
+    if mode == "none":
+        return None
+    if mode == "auto":
+        if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    if mode == "bf16":
+        return torch.bfloat16
+    # fp16
+    if device_type != "cuda":
+        raise ConfigError(
+            f"autocast = 'fp16' is invalid on device {device_type!r}: fp16 autocast needs a CUDA GPU. "
+            "Use autocast: bf16 or none for CPU peers (or auto, which picks the best per device)."
+        )
+    return torch.float16
+
+
+def count_parameters(spec: RunSpec, stage: int | None = None) -> int:
+    """Parameters of one stage or the whole model, without building it (see ``RunSpec.n_params``)."""
+    return spec.n_params(stage)
