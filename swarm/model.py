@@ -241,11 +241,23 @@ class StageModule(nn.Module):
                 f"stage {self.stage} got batch {x.shape[0]} x length {x.shape[1]}; the run allows "
                 f"1..{self.cfg.seq_len} tokens per sequence (model.seq_len) and at least one sequence"
             )
+        # An out-of-range id is an IndexError on CPU but a device-side assert on CUDA, which kills the
+        # whole CUDA context of the peer: one bad request must not take a GPU peer down.
+        if self.is_first and (int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size):
+            raise RequestError(
+                f"stage 0 got token ids in [{int(x.min())}, {int(x.max())}], outside "
+                f"0..{self.cfg.vocab_size - 1} (model.vocab_size); check that the trainer's tokenizer "
+                "matches the run spec"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
         if self.embed is not None:
             x = self.embed(x)  # (B, T) -> (B, T, C)
+        else:
+            # Hidden states arrive in whatever dtype the codec decoded (e.g. bf16); the residual
+            # stream stays in the parameters' dtype, as it would inside one unsplit model.
+            x = x.to(self.layers[str(self.first_layer)].attn_norm.weight.dtype)  # (B, T, C)
         for block in self.layers.values():
             x = block(x, self.rotary)  # (B, T, C)
         if self.head is not None:

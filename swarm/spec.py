@@ -24,7 +24,7 @@ silently falls back to a default. Each config validates itself once in ``__post_
 :class:`swarm.errors.ConfigError` naming the field path (``optimizer.lr``), the value, the rule and
 the next step.
 
-This module imports no torch, so the CLI can load and check specs quickly.
+Importing this module does not import torch; only the codec check (``compression.get_codec``) may.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class ModelConfig:
             self.vocab_size,
             lo=2,
             hi=MAX_VOCAB_SIZE,
-            hint=f"Use 256 for byte-level text, or your tokenizer's vocabulary size (at most {MAX_VOCAB_SIZE}).",
+            hint=f"Use 256 for byte-level text, or your tokenizer's vocabulary size (<= {MAX_VOCAB_SIZE}).",
         )
         _check_int(
             f"{s}.d_model", self.d_model, lo=1, hi=MAX_D_MODEL, hint="Pick a width such as 128, 512 or 1024."
@@ -761,12 +761,13 @@ def _take_keys(section: str, data: Any, cls: type) -> dict[str, Any]:
     valid = sorted(fields)
     unknown = [k for k in data if k not in fields]
     if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), valid, n=1)
-        suggestion = f" Did you mean {close[0]!r}?" if close else ""
         prefix = f"{section}." if section else ""
+        close = difflib.get_close_matches(str(unknown[0]), valid, n=1)
+        suggestion = f" Did you mean {prefix}{close[0]}?" if close else ""
+        names = ", ".join(f"{prefix}{k}" for k in unknown)
         raise ConfigError(
-            f"unknown key {prefix}{key} in {where}.{suggestion} Valid keys are: {', '.join(valid)}."
+            f"unknown key(s) {names} in {where}.{suggestion} Valid keys{' of ' + section if section else ''} "
+            f"are: {', '.join(valid)}."
         )
     missing = [
         name

@@ -239,8 +239,25 @@ def test_bad_inputs_raise_request_error():
         last(tokens(1, 8))
     with pytest.raises(RequestError, match=r"shape \(B, T, 64\)"):
         last(torch.zeros(1, 8, 32))
+    for bad in (-1, 256):
+        x = tokens(1, 8)
+        x[0, 3] = bad
+        with pytest.raises(RequestError, match=r"outside 0\.\.255 \(model\.vocab_size\)"):
+            first(x)
     with pytest.raises(ConfigError, match="numbered 0..1"):
         build_stage(spec, 2)
+
+
+def test_low_precision_hidden_states_join_the_fp32_residual_stream():
+    spec = make_spec(2)
+    first, last = build_stage(spec, 0), build_stage(spec, 1)
+    h = first(tokens()).detach().bfloat16().requires_grad_()
+    out = last(h)
+    assert out.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(out, last(h.float()))
+    out.sum().backward()
+    assert h.grad is not None and h.grad.dtype == torch.bfloat16
 
 
 def test_bf16_autocast_forward_on_cpu():

@@ -97,6 +97,12 @@ def test_direct_construction_is_keyword_only_and_frozen():
     assert hash(spec) == hash(RunSpec.from_dict(minimal()))
 
 
+def test_sections_must_be_config_objects_when_built_directly():
+    codecs = CodecsConfig(activations="blockwise8", gradients="blockwise8")
+    with pytest.raises(ConfigError, match=r"model = .* must be a ModelConfig.*RunSpec\.from_dict"):
+        RunSpec(run_id="t", model=minimal()["model"], stages=2, codecs=codecs, micro_batch_size=2)  # type: ignore[arg-type]
+
+
 def test_yaml_errors(tmp_path):
     with pytest.raises(ConfigError, match="cannot read run spec file"):
         RunSpec.from_yaml(tmp_path / "missing.yaml")
@@ -149,9 +155,11 @@ def test_unknown_keys_are_rejected_with_valid_keys(section, key, suggestion):
     with pytest.raises(ConfigError) as e:
         RunSpec.from_dict(d)
     msg = str(e.value)
-    assert f"unknown key {section + '.' if section else ''}{key}" in msg
-    assert f"Did you mean {suggestion!r}" in msg
-    assert "Valid keys are:" in msg and suggestion in msg.split("Valid keys are:")[1]
+    prefix = f"{section}." if section else ""
+    assert f"unknown key(s) {prefix}{key} in " in msg
+    assert f"Did you mean {prefix}{suggestion}?" in msg
+    valid = re.search(r"Valid keys( of \w+)? are: (.*)\.$", msg)
+    assert valid and suggestion in valid.group(2).split(", "), msg
 
 
 def test_missing_required_keys_are_named():
@@ -184,6 +192,9 @@ BAD_VALUES = [
     ("model.vocab_size", (1 << 20) + 1, "<= "),
     ("model.vocab_size", 256.0, "must be an integer"),
     ("model.d_model", 0, ">= 1"),
+    ("model.d_model", 1 << 17, "<= 65536"),
+    ("model.n_layers", 1025, "<= 1024"),
+    ("model.seq_len", (1 << 20) + 1, "<= "),
     ("model.d_model", "64", "must be an integer, not str"),
     ("model.n_layers", 0, ">= 1"),
     ("model.n_layers", True, "must be an integer, not bool"),
@@ -214,12 +225,16 @@ BAD_VALUES = [
     ("optimizer.momentum", 1.0, "< 1.0"),
     ("optimizer.accumulate", 0, ">= 1"),
     ("optimizer.clip_norm", 0.0, "> 0.0"),
+    ("optimizer.clip_norm", float("inf"), "finite"),
+    ("optimizer.total_steps", 10.0, "must be an integer"),
     ("optimizer.mode", "semi", "one of async, sync"),
     ("optimizer.max_versions", 0, ">= 1"),
     ("optimizer.max_versions", 65, "<= 64"),
     ("optimizer.recompute", "yes", "true or false"),
     ("averaging.every_steps", -1, ">= 0"),
     ("averaging.timeout_s", 0, "> 0.0"),
+    ("averaging.timeout_s", 4000, "<= 3600.0"),
+    ("averaging.every_steps", 1.5, "must be an integer"),
     ("micro_batch_size", 0, ">= 1"),
     ("micro_batch_size", 2.5, "must be an integer"),
     ("seed", -1, ">= 0"),
@@ -227,6 +242,7 @@ BAD_VALUES = [
     ("autocast", "fp8", "one of auto, none, bf16, fp16"),
     ("stash_ttl_s", 0, "> 0.0"),
     ("stash_ttl_s", -5.0, "> 0.0"),
+    ("stash_ttl_s", 1e6, "<= 86400.0"),
 ]
 
 
