@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from swarm.errors import ConfigError
 from swarm.spec import (
@@ -421,3 +424,48 @@ def test_codec_names_are_checked_when_compression_is_available():
         pytest.skip("compression.get_codec is not written yet; codec names are only checked for shape")
     with pytest.raises(ConfigError, match=r"codecs\.activations = 'no-such-codec' .* rejected"):
         RunSpec.from_dict(with_value("codecs.activations", "no-such-codec"))
+
+
+def test_tiny_example_documents_every_field():
+    """examples/tiny.yaml is the spec format's reference: it must spell out every key, with a comment."""
+    import yaml
+
+    text = (EXAMPLES / "tiny.yaml").read_text()
+    data = yaml.safe_load(text)
+    sections = {"model": ModelConfig, "codecs": CodecsConfig, "optimizer": OptimizerConfig}
+    sections["averaging"] = AveragingConfig
+    assert set(data) == {f.name for f in dataclasses.fields(RunSpec)}
+    for name, cls in sections.items():
+        assert set(data[name]) == {f.name for f in dataclasses.fields(cls)}, name
+    for line in text.splitlines():
+        key = re.match(r"\s*(\w+):\s*\S", line)
+        if key and key.group(1) in {f.name for c in sections.values() for f in dataclasses.fields(c)}:
+            assert "#" in line, f"undocumented key in tiny.yaml: {line.strip()}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_layers=st.integers(1, 24),
+    data=st.data(),
+    lr=st.floats(1e-6, 1.0),
+    seed=st.integers(0, 2**63 - 1),
+    run_id=st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True),
+    schedule=st.sampled_from(["constant", "cosine"]),
+)
+def test_random_valid_specs_round_trip(n_layers, data, lr, seed, run_id, schedule):
+    n_stages = data.draw(st.integers(1, n_layers))
+    inner = st.integers(1, max(1, n_layers - 1))
+    cuts = (
+        sorted(data.draw(st.sets(inner, min_size=n_stages - 1, max_size=n_stages - 1)))
+        if n_stages > 1
+        else []
+    )
+    bounds = [0, *cuts, n_layers]
+    d = with_value("model.n_layers", n_layers)
+    d.update(run_id=run_id, seed=seed, stages=[[a, b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    d["optimizer"] = {"lr": lr, "schedule": schedule, "total_steps": 100}
+    spec = RunSpec.from_dict(d)
+    assert spec.num_stages == n_stages
+    assert RunSpec.from_json(spec.canonical_bytes()) == spec
+    assert RunSpec.from_dict(spec.to_dict()).spec_hash == spec.spec_hash
+    assert sum(spec.n_params(i) for i in range(n_stages)) == spec.n_params()
