@@ -1,0 +1,400 @@
+"""The compute core of a stage peer: forward, backward, weight versions, stash and local steps. No network.
+
+:class:`StageCompute` is what the worker thread of ``peer/runtime.py`` calls. It runs the stage
+module *functionally* (``torch.func.functional_call``) with the tensors of one weight version, so
+different micro-batches can use different versions without copying weights into the module:
+
+- ``forward(mb_id, x, mode)`` runs with the latest version ``v`` and, in ``train`` mode, stashes
+  ``(v, input)`` (``recompute=True``) or ``(v, graph)`` (``recompute=False``). On the last stage a
+  ``train`` forward computes the loss and its backward at once.
+- ``backward(mb_id, grad_output)`` takes the stashed version ``v`` (raising ``VersionEvicted`` when
+  it is gone), recomputes the forward with it if needed, returns the gradient w.r.t. the stage input
+  and accumulates parameter gradients into the optimizer. After ``accumulate`` backwards the
+  optimizer steps, producing version ``v+1`` (new tensors; older versions stay intact).
+
+Sync mode (``optimizer.mode == "sync"``): at most ``accumulate`` training forwards per step window;
+:meth:`forward_allowed` closes the gate after that, and the step happens only when the window's
+backwards have all arrived (or were dropped). So every gradient of a step is computed on the same
+version, exactly like a synchronous pipeline.
+
+Thread-safety: the worker thread calls forward/backward; other threads (averaging, state download,
+checkpoints) call :meth:`export_state`, :meth:`apply_average`. Every access to versions, stash and
+optimizer state happens under :attr:`lock`; the matmuls themselves run outside it on immutable
+version tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.func import functional_call
+
+from peer.optimizer import StageOptimizer
+from peer.stash import MicroBatchStash, StashEntry, WeightVersions
+from swarm.errors import RequestError
+from swarm.model import autocast_dtype, build_stage, lm_loss
+from swarm.spec import RunSpec
+
+__all__ = ["StageCompute", "ForwardResult", "BackwardResult"]
+
+Mode = Literal["train", "eval", "generate"]
+Params = dict[str, torch.Tensor]
+
+
+@dataclass
+class ForwardResult:
+    """What a forward produced. ``output``: hidden ``(B, T, C)`` float32 on CPU (not on the last stage).
+
+    Last stage: ``loss`` (train/eval), ``logits_last`` ``(B, vocab)`` float32 (generate), and in train
+    mode ``grad_input`` ``(B, T, C)`` (None when the stage is also stage 0) plus ``stepped``.
+    """
+
+    version: int
+    compute_s: float
+    output: torch.Tensor | None = None
+    loss: float | None = None
+    n_tokens: int = 0
+    logits_last: torch.Tensor | None = None
+    grad_input: torch.Tensor | None = None
+    stepped: bool = False
+
+
+@dataclass
+class BackwardResult:
+    """``grad_input`` ``(B, T, C)`` float32 on CPU, or None on stage 0 (token ids have no gradient)."""
+
+    version: int  # the stashed version the gradient was computed with
+    compute_s: float
+    grad_input: torch.Tensor | None
+    stepped: bool
+    staleness: int  # versions elapsed between this micro-batch's forward and its backward
+    entry: StashEntry
+
+
+class StageCompute:
+    """Weights, stash and optimizer of one stage on one device."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        stage: int,
+        *,
+        device: torch.device | str = "cpu",
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.spec = spec
+        self.stage = stage
+        self.device = torch.device(device)
+        self.module = build_stage(spec, stage, device=self.device)
+        self.module.requires_grad_(False)
+        self.is_first, self.is_last = self.module.is_first, self.module.is_last
+        self.optimizer = StageOptimizer(dict(self.module.named_parameters()), spec.optimizer)
+        # The module is only a structure for functional_call from here on: free its own weights.
+        for p in self.module.parameters():
+            p.data = torch.empty(0, device=self.device)
+        self.autocast = autocast_dtype(spec, self.device)
+        self.versions = WeightVersions(spec.optimizer.max_versions)
+        self.version = 0
+        self.versions.reset(0, self.optimizer.served())
+        self.stash = MicroBatchStash(spec.stash_ttl_s, clock=clock)
+        self.lock = threading.RLock()
+        self.sync = spec.optimizer.mode == "sync"
+        self._window_forwards = 0  # sync mode: training forwards started in the current step window
+        self.steps_taken = 0
+        self.on_gate_change: Callable[[], None] = lambda: None  # the queue's notify()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _autocast(self) -> Any:
+        if self.autocast is None:
+            return torch.autocast(self.device.type, enabled=False)
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            # pinned host memory lets the copy run asynchronously with respect to the host
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device)
+
+    def _run(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            return functional_call(self.module, params, (x,))
+
+    def forward_allowed(self) -> bool:
+        """The runtime's forward gate: False in sync mode once this step's forwards have all started."""
+        if not self.sync:
+            return True
+        with self.lock:
+            return self._window_forwards < self.spec.optimizer.accumulate
+
+    def params(self) -> Params:
+        """The latest served weights (read-only tensors)."""
+        with self.lock:
+            return self.versions.latest
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        mb_id: str,
+        x: torch.Tensor,
+        mode: Mode,
+        *,
+        targets: torch.Tensor | None = None,
+        context: Any = None,
+    ) -> ForwardResult:
+        """Run the stage on ``x`` (token ids ``(B, T)`` on stage 0, hidden ``(B, T, C)`` elsewhere)."""
+        train = mode == "train"
+        if self.is_last and mode != "generate" and targets is None:
+            raise RequestError(f"stage {self.stage} is the last stage: mode {mode!r} needs targets")
+        with self.lock:
+            if train and mb_id in self.stash:
+                raise RequestError(
+                    f"micro-batch {mb_id!r} is already in flight on this peer; use a new mb_id"
+                )
+            version, params = self.version, self.versions.latest
+            if train:
+                self._window_forwards += 1
+        t0 = time.perf_counter()
+        try:
+            x = self._to_device(x)
+            if self.is_last and train:
+                return self._last_stage_train(mb_id, x, targets, version, params, t0)
+            if not train or self.spec.optimizer.recompute:
+                with torch.no_grad():
+                    out = self._run(params, x)
+                graph = None
+            else:
+                leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+                x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
+                with torch.enable_grad():
+                    out = self._run(leaves, x if x_leaf is None else x_leaf)
+                graph = (out, x_leaf, leaves)
+            result = ForwardResult(version=version, compute_s=0.0)
+            if self.is_last:
+                logits = out.float()  # (B, T, vocab)
+                if targets is not None:
+                    result.loss = float(lm_loss(logits, targets.to(self.device)))
+                    result.n_tokens = int(targets.numel())
+                if mode == "generate":
+                    result.logits_last = logits[:, -1, :].detach().cpu()  # (B, vocab)
+            else:
+                result.output = out.detach().float().cpu()  # (B, T, C)
+            if train:
+                entry = self.stash.new_entry(
+                    mb_id, version, x, output_shape=tuple(out.shape), graph=graph, context=context
+                )
+                with self.lock:
+                    self.stash.put(entry)
+        except BaseException:
+            if train:
+                self._release_window_slot()
+            raise
+        result.compute_s = time.perf_counter() - t0
+        return result
+
+    def _last_stage_train(
+        self,
+        mb_id: str,
+        x: torch.Tensor,
+        targets: torch.Tensor | None,
+        version: int,
+        params: Params,
+        t0: float,
+    ) -> ForwardResult:
+        """Loss and its backward at once: the last stage needs no stash."""
+        assert targets is not None
+        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+        x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
+        with torch.enable_grad():
+            logits = self._run(leaves, x if x_leaf is None else x_leaf)  # (B, T, vocab)
+            loss = lm_loss(logits, targets.to(self.device))
+            inputs = list(leaves.values()) + ([x_leaf] if x_leaf is not None else [])
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        param_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
+        grad_input = grads[-1].detach().float().cpu() if x_leaf is not None else None
+        with self.lock:
+            self.optimizer.accumulate(param_grads, staleness=self.version - version)
+            stepped = self._maybe_step()
+        return ForwardResult(
+            version=version,
+            compute_s=time.perf_counter() - t0,
+            loss=float(loss.detach()),
+            n_tokens=int(targets.numel()),
+            grad_input=grad_input,
+            stepped=stepped,
+        )
+
+    # ---- backward ------------------------------------------------------------------------------
+
+    def peek(self, mb_id: str) -> StashEntry:
+        """The stash entry of ``mb_id`` (refusing unknown ids), without removing it."""
+        with self.lock:
+            entry = self.stash.get(mb_id)
+        if entry is None:
+            raise RequestError(
+                f"micro-batch {mb_id!r} has no stashed forward on this peer (never seen, already done, "
+                f"dropped, or expired after {self.spec.stash_ttl_s:.0f} s); the trainer must resend it"
+            )
+        return entry
+
+    def backward(self, mb_id: str, grad_output: torch.Tensor) -> BackwardResult:
+        """Gradient of the stage input for ``grad_output`` (``(B, T, C)``, the gradient of our output).
+
+        Uses the version the forward used; raises ``VersionEvicted`` (a ``RequestError``) if it is
+        gone, and ``RequestError`` if the micro-batch is unknown. Either way the entry is dropped.
+        """
+        with self.lock:
+            entry = self.stash.pop(mb_id)
+            if entry is None:
+                self.peek(mb_id)  # raises the explanation
+            try:
+                params = self.versions.get(entry.version)
+            except RequestError:
+                self.stash.dropped += 1
+                self._release_window_slot()
+                raise
+        t0 = time.perf_counter()
+        if entry.graph is not None:
+            out, x_leaf, leaves = entry.graph
+        else:
+            leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+            x = entry.inputs
+            x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
+            with torch.enable_grad():
+                out = self._run(leaves, x if x_leaf is None else x_leaf)
+        grad_output = self._to_device(grad_output).to(out.dtype)
+        if tuple(grad_output.shape) != tuple(out.shape):
+            with self.lock:
+                self.stash.dropped += 1
+                self._release_window_slot()
+            raise RequestError(
+                f"gradient of shape {tuple(grad_output.shape)} does not match this stage's output "
+                f"{tuple(out.shape)} for micro-batch {mb_id!r}"
+            )
+        inputs = list(leaves.values()) + ([x_leaf] if x_leaf is not None else [])
+        grads = torch.autograd.grad(out, inputs, grad_outputs=grad_output, allow_unused=True)
+        param_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
+        grad_input = grads[-1].detach().float().cpu() if x_leaf is not None else None
+        with self.lock:
+            staleness = self.version - entry.version
+            self.optimizer.accumulate(param_grads, staleness=staleness)
+            stepped = self._maybe_step()
+        return BackwardResult(
+            version=entry.version,
+            compute_s=time.perf_counter() - t0,
+            grad_input=grad_input,
+            stepped=stepped,
+            staleness=staleness,
+            entry=entry,
+        )
+
+    # ---- steps, drops, expiry ------------------------------------------------------------------
+
+    def _maybe_step(self) -> bool:
+        """Step when ``accumulate`` micro-batches are in (sync: and none of this window is in flight)."""
+        if not self.optimizer.ready:
+            return False
+        if self.sync and len(self.stash) > 0:
+            return False
+        served = self.optimizer.step()
+        self._push_version(served)
+        self.steps_taken += 1
+        if self.sync:
+            self._window_forwards = 0
+            self.on_gate_change()
+        return True
+
+    def _push_version(self, served: Params) -> None:
+        self.version += 1
+        self.versions.push(self.version, served)
+
+    def _release_window_slot(self) -> None:
+        """A training forward of this window will never complete: let another one in (sync mode)."""
+        with self.lock:
+            if self._window_forwards > 0:
+                self._window_forwards -= 1
+            if self.sync:
+                self._maybe_step()
+        self.on_gate_change()
+
+    def drop(self, mb_id: str) -> StashEntry | None:
+        """Forget a micro-batch whose route failed."""
+        with self.lock:
+            entry = self.stash.drop(mb_id)
+        if entry is not None:
+            self._release_window_slot()
+        return entry
+
+    def expire(self) -> list[StashEntry]:
+        """Drop stash entries whose backward never came within ``stash_ttl_s``."""
+        with self.lock:
+            gone = self.stash.expire()
+        for _ in gone:
+            self._release_window_slot()
+        return gone
+
+    def flush_step(self) -> bool:
+        """Step now if any gradients are pending (e.g. before leaving a stage)."""
+        with self.lock:
+            if self.optimizer.pending == 0:
+                return False
+            served = self.optimizer.step()
+            self._push_version(served)
+            self.steps_taken += 1
+            self._window_forwards = 0
+        self.on_gate_change()
+        return True
+
+    # ---- state transfer, averaging, checkpoints ------------------------------------------------
+
+    def export_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """``(metadata, tensors)`` of base parameters and optimizer state, copied to CPU."""
+        with self.lock:
+            tensors = [t.detach().to("cpu", copy=True) for t in self.optimizer.state_tensors()]
+            meta = {
+                "spec_hash": self.spec.spec_hash,
+                "stage": self.stage,
+                "version": self.version,
+                "names": self.optimizer.state_names(),
+                **self.optimizer.metadata(),
+            }
+        return meta, tensors
+
+    def import_state(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """Adopt a downloaded or checkpointed state; refuses another spec or stage (``RequestError``)."""
+        if meta.get("spec_hash") != self.spec.spec_hash:
+            raise RequestError(
+                f"state is for run spec {meta.get('spec_hash')!r}, this peer serves {self.spec.spec_hash}"
+            )
+        if meta.get("stage") != self.stage:
+            raise RequestError(
+                f"state is for stage {meta.get('stage')!r}, this peer serves stage {self.stage}"
+            )
+        if list(meta.get("names", [])) != self.optimizer.state_names():
+            raise RequestError("state tensors are named differently from this stage's; refusing it")
+        version = meta.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise RequestError(f"state version {version!r} must be a non-negative integer")
+        with self.lock:
+            try:
+                self.optimizer.load(tensors, meta)
+            except ValueError as e:
+                raise RequestError(f"state refused: {e}") from None
+            self.version = version
+            self.versions.reset(version, self.optimizer.served())
+            self.stash = MicroBatchStash(self.spec.stash_ttl_s, clock=self.stash.clock)
+            self._window_forwards = 0
+        self.on_gate_change()
+
+    def apply_average(self, sent: list[torch.Tensor], averaged: list[torch.Tensor]) -> None:
+        """Apply an averaging round as ``current + (averaged - sent)``; makes a new version."""
+        deltas = [a - s for a, s in zip(averaged, sent, strict=True)]
+        with self.lock:
+            served = self.optimizer.shift(deltas)
+            self._push_version(served)
