@@ -40,6 +40,8 @@ class NoneCodec(Codec):
     def _decode(cls, header: Header, *, max_decoded_bytes: int) -> torch.Tensor:
         itemsize = torch.empty((), dtype=header.dtype).element_size()
         payload = header.expect_payload(header.numel * itemsize)
+        if header.dtype == torch.bool:  # untrusted bytes may hold values other than 0/1
+            return tensor_from(payload, 0, torch.uint8, header.numel) != 0
         return tensor_from(payload, 0, header.dtype, header.numel)
 
 
