@@ -192,7 +192,8 @@ def parse_header(data: bytes | bytearray | memoryview, *, max_decoded_bytes: int
         raise CodecError(f"declared shape {list(shape)} has a dim above {MAX_DIM}; the bytes are corrupt")
     dtype = _DTYPES[dtype_code]
     itemsize = max(torch.empty((), dtype=dtype).element_size(), 4)
-    decoded = math.prod(shape) * itemsize
+    # Zero dims count as 1: an empty tensor of shape (0, 2^40) still needs sane strides.
+    decoded = math.prod(max(d, 1) for d in shape) * itemsize
     if decoded > max_decoded_bytes:
         raise CodecError(
             f"declared shape {list(shape)} ({dtype}) would decode to {decoded} bytes, above the cap of "
