@@ -7,7 +7,8 @@ biases anywhere.
 
 Same weights everywhere (the property the swarm relies on): each block is initialised from a seed
 derived from ``(spec.seed, layer index)`` with a local ``torch.Generator`` on CPU, and the embedding
-and head have their own derived seeds. So a layer's initial weights depend neither on the machine nor
+and head have their own derived seeds; the values are drawn so that they are bit-identical on every
+CPU (see Note [portable init]). So a layer's initial weights depend neither on the machine nor
 on how the layers are split into stages, and a peer that starts a stage from scratch agrees with
 every other peer that does. Parameter names use the global layer index (``layers.5.attn.qkv.weight``)
 so state dicts move between different stage splits unchanged.
@@ -147,22 +148,45 @@ def derive_seed(seed: int, *tags: object) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
+# Note [portable init]: ``Tensor.normal_`` on CPU runs Box-Muller with vectorised approximations of
+# log/sin/cos that depend on the CPU (AVX2/AVX-512 vs ARM vs plain), so the "same" seed gives weights
+# that differ in the last bits between machines (check: ATEN_CPU_CAPABILITY=default changes them).
+# Instead each weight is the standardised sum of four uniforms (Irwin-Hall, a bell curve on
+# [-sqrt(12), sqrt(12)] standard deviations): the uniforms come from the generator's Mersenne
+# Twister by integer arithmetic, and everything after is exact or a single IEEE-rounded operation,
+# so the result is bit-identical on every machine. A network does not care that its init is
+# bell-shaped rather than exactly Gaussian (truncated normals are common); it cares about the std.
+_INIT_CHUNK = 1 << 20  # elements drawn at a time (bounds the temporary memory; part of the recipe)
+
+
+@torch.no_grad()
+def _fill_bell_(p: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Fill ``p`` in place with mean-0, std-``std`` values, identically on every machine."""
+    flat = p.view(-1)
+    scale = std * math.sqrt(3.0)  # var(u1+u2+u3+u4) = 4/12, so sqrt(3) makes it 1
+    for start in range(0, flat.numel(), _INIT_CHUNK):
+        n = min(_INIT_CHUNK, flat.numel() - start)
+        u = torch.rand((4, n), generator=gen).double()  # each k * 2^-24: the sums below are exact
+        z = ((u[0] + u[1]) + (u[2] + u[3])) - 2.0
+        flat[start : start + n] = (z * scale).to(flat.dtype)
+
+
 @torch.no_grad()
 def _init_(module: nn.Module, seed: int, *, residual_std: float) -> None:
     """Initialise every parameter of ``module`` in registration order from one local generator.
 
-    Norm weights start at 1; matrices ~ N(0, 0.02), except residual-branch output projections
-    (attention ``proj``, SwiGLU ``down``), which use ``residual_std`` so the residual stream's variance
-    does not grow with depth (GPT-2's 1/sqrt(2 * n_layers)).
+    Norm weights start at 1; matrices get std 0.02 (see Note [portable init]), except residual-branch
+    output projections (attention ``proj``, SwiGLU ``down``), which use ``residual_std`` so the
+    residual stream's variance does not grow with depth (GPT-2's 1/sqrt(2 * n_layers)).
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in module.named_parameters():
         if p.dim() == 1:  # RMSNorm weight
             p.fill_(1.0)
         elif name.endswith(("attn.proj.weight", "ffn.down.weight")):
-            p.normal_(0.0, residual_std, generator=gen)
+            _fill_bell_(p, residual_std, gen)
         else:
-            p.normal_(0.0, INIT_STD, generator=gen)
+            _fill_bell_(p, INIT_STD, gen)
 
 
 def _seeded(factory: Callable[[], nn.Module], seed: int, residual_std: float) -> nn.Module:
