@@ -1,0 +1,236 @@
+"""What a run looks like right now: gathered from the DHT, rendered as a table or as JSON.
+
+Used by ``swarm status`` / ``swarm runs`` (``swarm/commands/status.py``) and by the bootstrap's
+periodic status line (``swarm/bootstrap.py``). Gathering only reads through a ``Membership``;
+rendering is pure, so its output is tested on hand-built data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from swarm.errors import ConfigError
+from swarm.records import ACTIVE_STATES, PeerRecord, RunEntry
+
+if TYPE_CHECKING:
+    from swarm.membership import Membership
+
+__all__ = [
+    "StageStatus",
+    "RunStatus",
+    "gather_run_status",
+    "render_run_status",
+    "render_runs",
+    "status_line",
+    "human",
+]
+
+
+def human(x: float) -> str:
+    """1234567 -> '1.23M': counts and rates in a few characters."""
+    if not math.isfinite(x):
+        return str(x)
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}" if isinstance(x, float) and x != int(x) else str(int(x))
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    stage: int
+    layers: tuple[int, int] | None  # half-open layer range, None if the spec was not available
+    peers: tuple[PeerRecord, ...]  # every valid record, leaving ones included
+
+    @property
+    def active(self) -> tuple[PeerRecord, ...]:
+        return tuple(p for p in self.peers if p.state in ACTIVE_STATES)
+
+    @property
+    def throughput(self) -> float:
+        """Total tokens/s of the stage's joining/online peers."""
+        return math.fsum(p.throughput for p in self.active)
+
+    @property
+    def covered(self) -> bool:
+        return bool(self.active)
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run_id: str
+    spec_hash: str | None
+    stages: tuple[StageStatus, ...]
+    progress: dict[str, Any]  # Membership.progress()
+    entries: tuple[RunEntry, ...] = ()  # registry entries of this run (normally one)
+    spec_found: bool = True
+    rejected: int = 0  # invalid records the reader dropped
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def uncovered(self) -> list[int]:
+        return [s.stage for s in self.stages if not s.covered]
+
+    @property
+    def num_peers(self) -> int:
+        return len({p.peer_id for s in self.stages for p in s.active})
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``swarm status --json`` (stable keys; numbers as numbers)."""
+        return {
+            "run_id": self.run_id,
+            "spec_hash": self.spec_hash,
+            "spec_found": self.spec_found,
+            "num_stages": len(self.stages),
+            "uncovered_stages": self.uncovered,
+            "peers": self.num_peers,
+            "stages": [
+                {
+                    "stage": s.stage,
+                    "layers": list(s.layers) if s.layers else None,
+                    "covered": s.covered,
+                    "throughput": s.throughput,
+                    "peers": [
+                        {
+                            "peer_id": p.peer_id,
+                            "state": p.state,
+                            "throughput": p.throughput,
+                            "queue": p.queue,
+                            "version": p.version,
+                            "codecs": list(p.codecs),
+                            "software": p.software,
+                        }
+                        for p in s.peers
+                    ],
+                }
+                for s in self.stages
+            ],
+            "progress": self.progress,
+            "registry": [_entry_json(e) for e in self.entries],
+            "rejected_records": self.rejected,
+            "notes": list(self.notes),
+        }
+
+
+def _entry_json(e: RunEntry) -> dict[str, Any]:
+    return {k: getattr(e, k) for k in e.__dataclass_fields__}
+
+
+def gather_run_status(membership: Membership, *, spec_timeout_s: float = 5.0) -> RunStatus:
+    """Read everything ``swarm status`` shows about ``membership.run_id``.
+
+    The stage count comes from the run's spec (hash-checked); if no spec can be fetched in
+    ``spec_timeout_s``, from the run's registry entry; if neither exists, ``ConfigError``.
+    """
+    run_id = membership.run_id
+    if run_id is None:
+        raise ConfigError("gather_run_status needs a Membership of one run (membership.for_run(RUN))")
+    entries = tuple(e for e in membership.list_runs() if e.run_id == run_id)
+    notes: list[str] = []
+    try:
+        spec = membership.fetch_spec(timeout_s=spec_timeout_s)
+        num_stages, layers = spec.num_stages, [spec.stage_layers(s) for s in range(spec.num_stages)]
+        spec_found = True
+    except ConfigError:
+        if not entries:
+            raise ConfigError(
+                f"run {run_id!r} has neither a spec nor a registry entry in this swarm; "
+                "`swarm runs --initial-peers ...` lists the runs it knows"
+            ) from None
+        num_stages, layers, spec_found = entries[0].num_stages, [None] * entries[0].num_stages, False
+        notes.append(f"the spec of run {run_id!r} was not found; stage count taken from the registry")
+    records = membership.all_stage_records(num_stages)
+    stages = tuple(
+        StageStatus(stage=s, layers=layers[s], peers=tuple(records[s].values())) for s in range(num_stages)
+    )
+    return RunStatus(
+        run_id=run_id,
+        spec_hash=membership.spec_hash,
+        stages=stages,
+        progress=membership.progress(),
+        entries=entries,
+        spec_found=spec_found,
+        rejected=membership.rejected,
+        notes=tuple(notes),
+    )
+
+
+def _short(peer_id: str) -> str:
+    return peer_id if len(peer_id) <= 16 else f"{peer_id[:8]}…{peer_id[-6:]}"
+
+
+def status_line(status: RunStatus) -> str:
+    """One line: coverage, peers, throughput, progress (the bootstrap prints it periodically)."""
+    covered = len(status.stages) - len(status.uncovered)
+    p = status.progress
+    line = (
+        f"run {status.run_id}: {covered}/{len(status.stages)} stages covered, {status.num_peers} peers, "
+        f"bottleneck {human(min((s.throughput for s in status.stages), default=0.0))} tok/s, "
+        f"{len(p.get('trainers', {}))} trainers, {human(p.get('tokens', 0))} tokens"
+    )
+    if p.get("loss") is not None:
+        line += f", loss {p['loss']:.4f}"
+    if status.uncovered:
+        line += f" | uncovered: {', '.join(map(str, status.uncovered))}"
+    return line
+
+
+def render_run_status(status: RunStatus) -> str:
+    """The per-stage table of ``swarm status`` (one row per peer; uncovered stages marked)."""
+    lines = []
+    head = f"run {status.run_id}  spec {status.spec_hash or '?'}  {len(status.stages)} stages"
+    if status.entries:
+        e = status.entries[0]
+        head += f"  {human(e.n_params)} params (d_model {e.d_model}, {e.n_layers} layers)"
+    lines.append(head)
+    lines.append(
+        f"{'STAGE':<6}{'LAYERS':<9}{'PEER':<18}{'STATE':<9}{'TOKENS/S':>10}{'QUEUE':>7}{'VERSION':>9}  SOFTWARE"
+    )
+    for s in status.stages:
+        layers = f"{s.layers[0]}-{s.layers[1]}" if s.layers else "?"
+        if not s.peers:
+            lines.append(f"{s.stage:<6}{layers:<9}{'-- UNCOVERED: no peers --'}")
+            continue
+        for i, p in enumerate(s.peers):
+            prefix = f"{s.stage:<6}{layers:<9}" if i == 0 else " " * 15
+            lines.append(
+                f"{prefix}{_short(p.peer_id):<18}{p.state:<9}{p.throughput:>10.1f}{p.queue:>7}{p.version:>9}"
+                f"  {p.software}"
+            )
+        total = f"{' ' * 15}{'stage total':<27}{s.throughput:>10.1f}"
+        lines.append(total + ("" if s.covered else "  -- UNCOVERED: no active peers --"))
+    p = status.progress
+    trainers = p.get("trainers", {})
+    loss = f", mean last loss {p['loss']:.4f}" if p.get("loss") is not None else ""
+    lines.append(
+        f"progress: {len(trainers)} trainers, {human(p.get('tokens', 0))} tokens, {p.get('steps', 0)} steps, "
+        f"{human(p.get('tokens_per_s', 0.0))} tok/s{loss}"
+    )
+    for tid, t in trainers.items():
+        tl = f", loss {t['loss']:.4f}" if t["loss"] is not None else ""
+        lines.append(
+            f"  trainer {tid}: {human(t['tokens'])} tokens, {t['steps']} steps, {human(t['tokens_per_s'])} tok/s{tl}"
+        )
+    if status.uncovered:
+        lines.append(
+            f"stages without peers: {', '.join(map(str, status.uncovered))}; trainers wait until a peer "
+            "serves them (start one with `swarm peer --initial-peers ... --run " + status.run_id + "`)"
+        )
+    if status.rejected:
+        lines.append(f"note: {status.rejected} invalid records were ignored")
+    lines.extend(f"note: {n}" for n in status.notes)
+    return "\n".join(lines)
+
+
+def render_runs(entries: list[RunEntry]) -> str:
+    """The table of ``swarm runs``."""
+    if not entries:
+        return "no runs registered in this swarm (start one with `swarm init RUN.yaml`)"
+    lines = [f"{'RUN':<24}{'SPEC':<18}{'STAGES':>7}{'PARAMS':>9}{'PEERS':>7}  OWNER"]
+    for e in entries:
+        lines.append(
+            f"{e.run_id:<24}{e.spec_hash:<18}{e.num_stages:>7}{human(e.n_params):>9}{e.peers:>7}  {e.owner}"
+        )
+    return "\n".join(lines)
