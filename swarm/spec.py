@@ -539,7 +539,14 @@ class RunSpec:
     """Seconds a stashed forward waits for its backward before it is dropped (its micro-batch fails)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not RUN_ID_PATTERN.fullmatch(self.run_id):
+        if not isinstance(self.run_id, str):
+            raise _reject(
+                "run_id",
+                self.run_id,
+                f"it must be a string, not {type(self.run_id).__name__}",
+                'Quote it in YAML, e.g. run_id: "2024".',
+            )
+        if not RUN_ID_PATTERN.fullmatch(self.run_id):
             raise _reject(
                 "run_id",
                 self.run_id,
@@ -661,7 +668,9 @@ class RunSpec:
         }
         for name, section_cls in sections.items():
             if name in top:
-                top[name] = section_cls(**_take_keys(name, top[name], section_cls))
+                # `optimizer:` with every key commented out parses as None: treat it as "all defaults".
+                value = {} if top[name] is None and name in ("optimizer", "averaging") else top[name]
+                top[name] = section_cls(**_take_keys(name, value, section_cls))
         return cls(**top)
 
     @classmethod

@@ -8,6 +8,7 @@ import pathlib
 import re
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,8 +129,6 @@ def test_yaml_errors(tmp_path):
 
 
 def test_yaml_float_forms(tmp_path):
-    import yaml
-
     path = tmp_path / "s.yaml"
     d = minimal()
     d["optimizer"] = {"lr": "LR", "weight_decay": "WD"}
@@ -190,7 +189,7 @@ BAD_VALUES = [
     ("run_id", "has.dot", "no '.'"),
     ("run_id", "has space", "1-64 characters"),
     ("run_id", "x" * 65, "1-64 characters"),
-    ("run_id", 7, "1-64 characters"),
+    ("run_id", 7, "must be a string, not int"),
     ("model.vocab_size", 1, ">= 2"),
     ("model.vocab_size", (1 << 20) + 1, "<= "),
     ("model.vocab_size", 256.0, "must be an integer"),
@@ -272,6 +271,15 @@ def test_cosine_needs_total_steps():
         RunSpec.from_dict(d)
     d["optimizer"]["total_steps"] = 110
     assert RunSpec.from_dict(d).optimizer.total_steps == 110
+
+
+def test_empty_optional_sections_mean_defaults(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(minimal()) + "optimizer:\naveraging:\n")
+    spec = RunSpec.from_yaml(path)
+    assert spec.optimizer == OptimizerConfig() and spec.averaging == AveragingConfig()
+    with pytest.raises(ConfigError, match="model must be a mapping"):
+        RunSpec.from_dict(with_value("model", None))
 
 
 def test_nullable_fields_accept_none():
@@ -428,8 +436,6 @@ def test_codec_names_are_checked_when_compression_is_available():
 
 def test_tiny_example_documents_every_field():
     """examples/tiny.yaml is the spec format's reference: it must spell out every key, with a comment."""
-    import yaml
-
     text = (EXAMPLES / "tiny.yaml").read_text()
     data = yaml.safe_load(text)
     sections = {"model": ModelConfig, "codecs": CodecsConfig, "optimizer": OptimizerConfig}
