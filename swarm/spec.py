@@ -83,7 +83,7 @@ AUTOCAST_CHOICES = ("auto", "none", "bf16", "fp16")
 
 
 def _reject(path: str, value: Any, rule: str, next_step: str) -> ConfigError:
-    """Build the error for one rejected value: ``<path> = <value>: <rule>. <next step>``."""
+    """Build the error for one rejected value: ``<path> = <value> is invalid: <rule>. <next step>``."""
     shown = repr(value)
     if len(shown) > 120:
         shown = shown[:117] + "..."
@@ -147,13 +147,22 @@ def _set(obj: Any, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)
 
 
+def _stages_hint(n_layers: int) -> str:
+    half = max(1, n_layers // 2)
+    example = f"[[0, {half}], [{half}, {n_layers}]]" if n_layers > 1 else "[[0, 1]]"
+    return (
+        f"Give `stages` either a number of stages between 1 and model.n_layers ({n_layers}), or explicit "
+        f"half-open layer ranges that cover 0..{n_layers} in order, e.g. {example}."
+    )
+
+
 def split_layers(n_layers: int, n_stages: int) -> tuple[tuple[int, int], ...]:
     """Split ``n_layers`` into ``n_stages`` contiguous half-open ranges as evenly as possible.
 
     Earlier stages get the extra layers (8 layers in 3 stages: 3, 3, 2): the last stage also holds
     the LM head, which is the heaviest single matmul for large vocabularies.
     """
-    _check_int("stages", n_stages, lo=1, hi=max(1, n_layers), hint=_STAGES_HINT.format(n=n_layers))
+    _check_int("stages", n_stages, lo=1, hi=max(1, n_layers), hint=_stages_hint(n_layers))
     base, extra = divmod(n_layers, n_stages)
     ranges, start = [], 0
     for i in range(n_stages):
@@ -161,12 +170,6 @@ def split_layers(n_layers: int, n_stages: int) -> tuple[tuple[int, int], ...]:
         ranges.append((start, end))
         start = end
     return tuple(ranges)
-
-
-_STAGES_HINT = (
-    "Give `stages` either a number of stages between 1 and model.n_layers ({n}), or explicit half-open "
-    "layer ranges that cover 0..{n} in order, e.g. [[0, 2], [2, {n}]]."
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -723,7 +726,7 @@ class RunSpec:
 
 
 def _normalise_stages(stages: Any, n_layers: int) -> tuple[tuple[int, int], ...]:
-    hint = _STAGES_HINT.format(n=n_layers)
+    hint = _stages_hint(n_layers)
     if isinstance(stages, int) and not isinstance(stages, bool):
         return split_layers(n_layers, stages)
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
