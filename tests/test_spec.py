@@ -282,6 +282,15 @@ def test_empty_optional_sections_mean_defaults(tmp_path):
         RunSpec.from_dict(with_value("model", None))
 
 
+def test_from_dict_leaves_its_input_alone():
+    d = with_value("optimizer.betas", [0.8, 0.9])
+    before = json.dumps(d, sort_keys=True)
+    RunSpec.from_dict(d)
+    with pytest.raises(ConfigError):
+        RunSpec.from_dict({**d, "seed": -1})
+    assert json.dumps(d, sort_keys=True) == before
+
+
 def test_nullable_fields_accept_none():
     d = minimal()
     d["optimizer"] = {"clip_norm": None, "total_steps": None}
