@@ -1,0 +1,103 @@
+"""``swarm train``: feed a run with data (a trainer holds data, no weights).
+
+    swarm train --initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID --run tiny --steps 200
+    swarm train --initial-peers ... --run tiny --data corpus.jsonl --tokens 2000000 --out runs/mine
+
+Metrics go to ``OUT/metrics.jsonl`` (default ``runs/RUN``), with ``loss.png`` and ``summary.json``
+at the end. Several trainers may feed one run at once (give each its own ``--seed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a run: send micro-batches of data through the swarm's stages",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="any peer of the swarm, e.g. the address printed by `swarm init`",
+    )
+    p.add_argument("--run", required=True, metavar="RUN", help="run id to train")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="SOURCE",
+        help="text file, directory of text files, .jsonl with a 'text' field, or hf:LOCAL_PATH "
+        "(default: this machine's Python standard library sources)",
+    )
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="local tokenizer.json (default: bytes)")
+    p.add_argument(
+        "--max-data-bytes", type=int, default=None, metavar="N", help="read at most N bytes of text"
+    )
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, metavar="N", help="trainer steps (default 100)")
+    length.add_argument("--tokens", type=int, default=None, metavar="N", help="tokens to train on")
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=8,
+        metavar="K",
+        help="micro-batches in the swarm at once (default 8)",
+    )
+    p.add_argument(
+        "--max-attempts", type=int, default=4, metavar="N", help="routes tried per micro-batch (default 4)"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=0, metavar="N", help="held-out loss every N steps (0 = never)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="data sampling and routing seed (default 0)")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/RUN)")
+    p.add_argument("--trainer-id", default=None, metavar="NAME", help="name shown by `swarm status`")
+    p.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="where to listen for peers' reports (default: loopback only)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress line and no printed summary")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The ``TrainerConfig`` these flags describe (raises ``ConfigError`` on bad values)."""
+    from swarm.data import DataConfig
+    from swarm.trainer import TrainerConfig
+
+    data_kwargs = {"source": args.data, "tokenizer": args.tokenizer}
+    if args.max_data_bytes is not None:
+        data_kwargs["max_bytes"] = args.max_data_bytes
+    return TrainerConfig(
+        initial_peers=tuple(args.initial_peers),
+        run_id=args.run,
+        data=DataConfig(**data_kwargs),
+        steps=args.steps,
+        tokens=args.tokens,
+        max_inflight=args.max_inflight,
+        max_attempts=args.max_attempts,
+        eval_every=args.eval_every,
+        seed=args.seed,
+        out_dir=args.out if args.out is not None else os.path.join("runs", args.run),
+        trainer_id=args.trainer_id,
+        host_maddrs=tuple(args.host_maddrs),
+        quiet=args.quiet,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported
+    from swarm.trainer import Trainer
+
+    summary = Trainer(config_from_args(args)).train()
+    mb = summary.get("micro_batches", {})
+    return 0 if mb.get("completed", 0) > 0 else 1

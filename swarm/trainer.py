@@ -1,0 +1,845 @@
+"""The trainer: holds data, no weights, and drives micro-batches through the swarm's stages.
+
+Run it::
+
+    swarm train --initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID --run demo --steps 100 --out runs/demo
+
+or from Python::
+
+    from swarm.trainer import Trainer, TrainerConfig
+    summary = Trainer(TrainerConfig(initial_peers=(maddr,), run_id="demo", steps=100)).train()
+
+One micro-batch (see peer/protocol.py for the wire side)
+--------------------------------------------------------
+1. ``Router.route`` draws one peer per stage (stochastic wiring, swarm/routing.py).
+2. ``FORWARD`` with the token ids (and targets) goes to the stage-0 peer of the route; the peers pass
+   activations along the route and gradients back by themselves.
+3. Peers send ``REPORT`` s to this trainer: ``loss`` from the last stage, ``done`` from stage 0 once
+   the gradients reached every stage (``result`` in eval/generate mode), or ``failed`` naming the
+   hop that broke. A deadline (scaled by size and observed speed) covers silent losses.
+4. A broken route closes the attempt; the micro-batch is re-sent on a new route (new ``mb_id``,
+   only token ids travel again) up to ``max_attempts`` times, then counted as dropped. The ledger
+   (swarm/accounting.py) keeps ``opened == completed + dropped + in flight + pending``.
+
+Steps (note "trainer step")
+---------------------------
+Peers step their optimizers every ``optimizer.accumulate`` micro-batches they receive; a trainer
+*step* is the same amount of work seen from here: ``accumulate`` completed training micro-batches.
+``mode: async`` keeps up to ``max_inflight`` micro-batches in the swarm; ``mode: sync`` sends
+exactly ``accumulate`` micro-batches, waits until every one of them is completed or dropped, and
+only then sends the next ``accumulate`` (so peers step in lock-step).
+
+One asyncio loop owns everything: the report handler, the sending tasks, and two background loops
+(refreshing stage records from the DHT, publishing this trainer's progress). DHT calls are blocking
+and go through ``asyncio.to_thread``; ``Membership`` serialises them. Every background task is
+owned by :class:`_Tasks` and cancelled in ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import secrets
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from swarm.accounting import Attempt, Ledger, MicroBatch
+from swarm.data import DataConfig, TokenData, build_data
+from swarm.errors import ConfigError, PeerFailure, RequestError
+from swarm.metrics import (
+    MetricsWriter,
+    ProgressDisplay,
+    ProgressSnapshot,
+    format_summary,
+    plot_loss,
+    read_metrics,
+    step_record,
+    summarize,
+)
+from swarm.routing import NoPeersError, Router, RoutingConfig
+
+if TYPE_CHECKING:
+    import hivemind
+    import torch
+    from hivemind.p2p import P2P
+
+    from peer.protocol import Message, Report
+    from swarm.membership import Membership
+    from swarm.records import PeerRecord
+    from swarm.spec import RunSpec
+
+__all__ = ["TrainerConfig", "Trainer", "SwarmLink", "service_seconds"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """Everything one trainer needs; ``swarm train`` parses its flags into this."""
+
+    initial_peers: tuple[str, ...]
+    """Multiaddrs (with /p2p/) of any peer of the swarm, e.g. what `swarm init` printed."""
+    run_id: str
+    """The run to train; its spec (model, stages, optimizer) is read from the DHT."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Text source and split (default: this machine's Python standard library sources)."""
+    steps: int | None = None
+    """Trainer steps to run (see note "trainer step"); exclusive with ``tokens``; both None = 100."""
+    tokens: int | None = None
+    """Tokens to train on instead of a step count (rounded up to whole micro-batches)."""
+    max_inflight: int = 8
+    """Micro-batches in the swarm at once (async mode). More overlaps compute and transfers on
+    more peers; too many only lengthens queues (and staleness). Start near 2 x peers per stage x stages."""
+    max_attempts: int = 4
+    """Routes one micro-batch may try before it is dropped (1 = never re-send)."""
+    out_dir: str | None = None
+    """Where metrics.jsonl, loss.png and summary.json go; None = write no files."""
+    seed: int = 0
+    """Seed of data sampling and routing; give each trainer of a run its own to read different text."""
+    eval_every: int = 0
+    """Evaluate held-out loss through the swarm every N trainer steps (and at the end); 0 = never."""
+    eval_batches: int = 2
+    """Held-out micro-batches per evaluation."""
+    progress_interval_s: float = 10.0
+    """Seconds between progress lines when the output is not a terminal."""
+    publish_every_s: float = 5.0
+    """Seconds between publications of this trainer's progress to the DHT (`swarm status` reads it)."""
+    refresh_every_s: float = 2.0
+    """Seconds between re-reads of the stage peers' records."""
+    spec_timeout_s: float = 60.0
+    """How long to wait for the run spec to appear in the DHT."""
+    call_timeout_s: float = 15.0
+    """Timeout of the FORWARD call to a stage-0 peer (it only acknowledges queueing)."""
+    drain_timeout_s: float = 120.0
+    """At the end, how long to wait for micro-batches still in flight before dropping them."""
+    stage_wait_s: float | None = None
+    """Give up when a stage has had no peer for this long; None = wait forever (with messages)."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    host_maddrs: tuple[str, ...] = ()
+    """Where this trainer listens for reports; empty = loopback only."""
+    trainer_id: str | None = None
+    """Name under which progress is published; None = ``trainer-<random>``."""
+    quiet: bool = False
+    """No progress line and no printed summary (files are still written)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if isinstance(self.initial_peers, str):
+            set_(self, "initial_peers", (self.initial_peers,))
+        set_(self, "initial_peers", tuple(self.initial_peers))
+        set_(self, "host_maddrs", tuple(self.host_maddrs))
+        if not self.initial_peers:
+            raise ConfigError(
+                "the trainer needs --initial-peers: the address `swarm init` printed "
+                "(e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID)"
+            )
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ConfigError(f"run_id={self.run_id!r} must name the run to train (--run)")
+        if self.steps is not None and self.tokens is not None:
+            raise ConfigError(
+                f"give either steps ({self.steps}) or tokens ({self.tokens}), not both; "
+                "drop one of --steps / --tokens"
+            )
+        for name in ("steps", "tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name}={v!r} must be a positive integer")
+        for name, lo in (("max_inflight", 1), ("max_attempts", 1), ("eval_every", 0), ("eval_batches", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+        for name in (
+            "progress_interval_s",
+            "publish_every_s",
+            "refresh_every_s",
+            "spec_timeout_s",
+            "call_timeout_s",
+            "drain_timeout_s",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name}={v!r} must be a positive number of seconds")
+        if self.stage_wait_s is not None and not (self.stage_wait_s > 0):
+            raise ConfigError(f"stage_wait_s={self.stage_wait_s!r} must be positive or None (wait forever)")
+        if self.trainer_id is not None and not (
+            isinstance(self.trainer_id, str)
+            and 0 < len(self.trainer_id) <= 64
+            and self.trainer_id[0].isalnum()
+        ):
+            raise ConfigError(
+                f"trainer_id={self.trainer_id!r} must be 1-64 characters starting with a letter or digit"
+            )
+
+
+def service_seconds(stats: dict[str, float], stage: int) -> float | None:
+    """Compute seconds stage ``stage`` spent on one micro-batch, from the peers' report stats.
+
+    Peers record per-hop figures named ``fwd_compute_s_<stage>`` and ``bwd_compute_s_<stage>``
+    (peer/protocol.py); missing ones count as 0, and None means the stage reported nothing.
+    """
+    parts = [stats.get(f"fwd_compute_s_{stage}"), stats.get(f"bwd_compute_s_{stage}")]
+    known = [p for p in parts if p is not None and math.isfinite(p) and p >= 0]
+    return sum(known) if known else None
+
+
+class _Tasks:
+    """Owner of background tasks: each is cancelled and awaited in :meth:`close` (structured enough
+    for Python 3.10, which has no ``asyncio.TaskGroup``). A task that crashes stops the owner's run."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.error: BaseException | None = None
+        self.wake: asyncio.Event | None = None
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.error is None:
+            self.error = task.exception()
+            if self.wake is not None:
+                self.wake.set()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SwarmLink:
+    """This process's endpoint in a run: DHT node, ``Membership``, the spec and a P2P replica that
+    serves ``REPORT``. Trainers and ``swarm generate`` use it; open with :meth:`open`, close in
+    ``finally`` with :meth:`close`."""
+
+    def __init__(self, dht: hivemind.DHT, membership: Membership, spec: RunSpec, p2p: P2P):
+        self.dht = dht
+        self.membership = membership
+        self.spec = spec
+        self.p2p = p2p
+        self.peer_id: str = p2p.peer_id.to_base58()
+        self.on_report: Callable[[Report, bytes], None] = lambda report, payload: None
+
+    @classmethod
+    async def open(
+        cls,
+        *,
+        initial_peers: tuple[str, ...],
+        run_id: str,
+        host_maddrs: tuple[str, ...] = (),
+        spec_timeout_s: float = 60.0,
+    ) -> SwarmLink:
+        from peer.protocol import REPORT, serve
+        from swarm.membership import Membership
+        from swarm.network import DHTConfig, start_dht
+
+        cfg = DHTConfig(initial_peers=initial_peers, **({"host_maddrs": host_maddrs} if host_maddrs else {}))
+        dht = await asyncio.to_thread(start_dht, cfg)
+        try:
+            membership = Membership(dht, run_id)
+            spec = await asyncio.to_thread(membership.fetch_spec, spec_timeout_s)
+            p2p = await dht.replicate_p2p()
+            link = cls(dht, membership, spec, p2p)
+            await serve(p2p, REPORT, link._handle_report)
+            return link
+        except BaseException:
+            dht.shutdown()
+            raise
+
+    async def _handle_report(self, message: Message, remote: Any) -> dict[str, Any]:
+        from peer.protocol import Report
+
+        report = Report.from_wire(message.header)  # RequestError -> an {"ok": False} reply
+        if report.run_id != self.spec.run_id:
+            raise RequestError(
+                f"report for run {report.run_id!r} reached a trainer of run {self.spec.run_id!r}; "
+                "the peer routes to the wrong trainer"
+            )
+        self.on_report(report, message.payload)
+        return {}
+
+    async def stage_records(self) -> list[dict[str, PeerRecord]]:
+        """Current records of every stage (index = stage), only those of this spec."""
+        records = await asyncio.to_thread(self.membership.all_stage_records, self.spec.num_stages)
+        return [{pid: r for pid, r in st.items() if r.spec_hash == self.spec.spec_hash} for st in records]
+
+    async def send_forward(
+        self,
+        *,
+        route: tuple[str, ...],
+        mb_id: str,
+        mode: str,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """Hand one micro-batch to ``route[0]``; returns its acknowledgement (raises
+        ``PeerFailure`` / ``RequestError`` as ``peer.protocol.call`` does)."""
+        from peer.protocol import FORWARD, ForwardHeader, Message, call, pack_tokens
+
+        header = ForwardHeader(
+            run_id=self.spec.run_id,
+            spec_hash=self.spec.spec_hash,
+            mb_id=mb_id,
+            stage=0,
+            route=route,
+            trainer=self.peer_id,
+            mode=mode,  # type: ignore[arg-type]
+            batch=int(tokens.shape[0]),
+            seq=int(tokens.shape[1]),
+            tokens=pack_tokens(tokens),
+            targets=b"" if targets is None else pack_tokens(targets),
+        )
+        return await call(self.p2p, route[0], FORWARD, Message(header.to_wire(), b""), timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        from peer.protocol import REPORT
+
+        with contextlib.suppress(Exception):  # best effort: the daemon may already be gone
+            await self.p2p.remove_protobuf_handler(REPORT)
+        with contextlib.suppress(Exception):
+            await self.p2p.shutdown()
+        await asyncio.to_thread(self.dht.shutdown)
+
+
+@dataclass
+class _Step:
+    """Accumulators of the trainer step in progress."""
+
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    stats: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    resolved: int = 0  # micro-batches of this step completed or dropped
+
+
+class Trainer:
+    """Drives training micro-batches of one run through the swarm (see the module docstring).
+
+    ``clock`` (monotonic seconds) and ``out`` (where progress and the summary go) are injectable.
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        out: IO[str] | None = None,
+    ):
+        self.config = config
+        self.trainer_id = config.trainer_id or f"trainer-{secrets.token_hex(4)}"
+        self._clock = clock
+        self._out = out if out is not None else sys.stderr
+        self.summary: dict[str, Any] | None = None
+
+    # ---- entry points ----------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        """Run to the configured length and return the summary (blocking; owns its event loop)."""
+        return asyncio.run(self.run())
+
+    async def run(self) -> dict[str, Any]:
+        """Run to the configured length and return the summary; everything is shut down in ``finally``."""
+        cfg = self.config
+        self._say(f"trainer {self.trainer_id}: joining run {cfg.run_id!r} via {cfg.initial_peers[0]}")
+        link = await SwarmLink.open(
+            initial_peers=cfg.initial_peers,
+            run_id=cfg.run_id,
+            host_maddrs=cfg.host_maddrs,
+            spec_timeout_s=cfg.spec_timeout_s,
+        )
+        try:
+            spec = link.spec
+            data, _ = await asyncio.to_thread(
+                build_data, cfg.data, seq_len=spec.model.seq_len, vocab_size=spec.model.vocab_size
+            )
+            return await self.run_on(link, data)
+        finally:
+            await link.close()
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def _setup(self, link: SwarmLink, data: TokenData) -> None:
+        cfg, spec = self.config, link.spec
+        self.link, self.spec, self.data = link, spec, data
+        self.accumulate = spec.optimizer.accumulate
+        self.sync = spec.optimizer.mode == "sync"
+        self.tokens_per_mb = spec.tokens_per_micro_batch
+        if cfg.tokens is not None:
+            target_mbs = math.ceil(cfg.tokens / self.tokens_per_mb)
+            self.target_steps = math.ceil(target_mbs / self.accumulate)
+        else:
+            self.target_steps = cfg.steps if cfg.steps is not None else 100
+        self.target_mbs = self.target_steps * self.accumulate
+        self.ledger = Ledger(tag=f"{self.trainer_id}.{secrets.token_hex(3)}", max_attempts=cfg.max_attempts)
+        self.router = Router(cfg.routing, clock=self._clock, rng=random.Random(cfg.seed))
+        self.stream = data.stream(spec.micro_batch_size, seed=cfg.seed)
+        self.stages: list[dict[str, PeerRecord]] = [{} for _ in range(spec.num_stages)]
+        self.tasks = _Tasks()
+        self.wake = asyncio.Event()
+        self.tasks.wake = self.wake
+        self.step = 0
+        self.tokens_done = 0
+        self.completed_train = 0
+        self.cur = _Step()
+        self.window_left = 0  # sync mode: micro-batches of the current window still to open
+        self.window_open = 0  # sync mode: micro-batches of the current window not yet resolved
+        self.eval_round: list[int] | None = None
+        self.eval_due = False
+        self.last_loss: float | None = None
+        self.peers_by_stage: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.waiting_since: float | None = None
+        self.last_wait_msg = -math.inf
+        self.started = self._clock()
+        self.first_send: float | None = None
+        link.on_report = self._on_report
+        # wire-byte estimate for deadlines: fp32 activation + gradient per token on each link
+        self.wire_bytes = 2 * (spec.num_stages - 1) * self.tokens_per_mb * spec.model.d_model * 4
+        self.writer = MetricsWriter(Path(cfg.out_dir) / "metrics.jsonl") if cfg.out_dir else None
+        self.progress = None if cfg.quiet else ProgressDisplay(self._out, interval_s=cfg.progress_interval_s)
+
+    async def run_on(self, link: SwarmLink, data: TokenData) -> dict[str, Any]:
+        """Train over an already open ``link`` (the caller closes it) with ``data``; returns the summary."""
+        self._setup(link, data)
+        cfg = self.config
+        if self.writer is not None:
+            Path(cfg.out_dir, "metrics.jsonl").write_text("")  # this run's records only
+        self._event(
+            "start",
+            run_id=self.spec.run_id,
+            spec_hash=self.spec.spec_hash,
+            trainer=self.trainer_id,
+            target_steps=self.target_steps,
+            mode=self.spec.optimizer.mode,
+        )
+        interrupted = True
+        try:
+            self.stages = await link.stage_records()
+            self.tasks.spawn(self._refresh_loop())
+            self.tasks.spawn(self._publish_loop())
+            await self._main_loop()
+            await self._drain()
+            if cfg.eval_every:
+                await self._final_eval()
+            interrupted = False
+        finally:
+            left = self.ledger.close_all(reason="shutdown" if not interrupted else "interrupted")
+            if left:
+                self._say(f"{left} micro-batches still in flight or waiting were dropped at shutdown")
+            await self.tasks.close()
+            self.ledger.check()
+            with contextlib.suppress(PeerFailure):
+                await self._publish()
+            self.summary = self._finish()
+            if self.writer is not None:
+                self.writer.close()
+        return self.summary
+
+    def _training_done(self) -> bool:
+        # async: dropped micro-batches are replaced, so count completions; sync: count closed windows
+        if self.sync:
+            return self.step >= self.target_steps
+        return self.completed_train >= self.target_mbs
+
+    async def _main_loop(self) -> None:
+        while not self._training_done() or self.eval_round is not None:
+            if self.tasks.error is not None:
+                raise self.tasks.error
+            now = self._clock()
+            for attempt in self.ledger.expired(now):
+                self._fail(attempt, reason="timeout", stage=None, peer=None)
+            self._fill(now, open_new=not self._training_done())
+            self._show()
+            await self._wait(now)
+
+    async def _drain(self) -> None:
+        """Wait for micro-batches still in flight (extra work opened near the end) to resolve."""
+        deadline = self._clock() + self.config.drain_timeout_s
+        while (self.ledger.inflight() or self.ledger.n_pending()) and self._clock() < deadline:
+            if self.tasks.error is not None:
+                raise self.tasks.error
+            now = self._clock()
+            for attempt in self.ledger.expired(now):
+                self._fail(attempt, reason="timeout", stage=None, peer=None)
+            self._fill(now, open_new=False)
+            self._show()
+            await self._wait(now)
+
+    async def _final_eval(self) -> None:
+        self._open_eval()
+        while self.eval_round is not None:
+            if self.tasks.error is not None:
+                raise self.tasks.error
+            now = self._clock()
+            for attempt in self.ledger.expired(now):
+                self._fail(attempt, reason="timeout", stage=None, peer=None)
+            self._fill(now, open_new=False)
+            await self._wait(now)
+
+    async def _wait(self, now: float) -> None:
+        """Sleep until a report, a send outcome or the nearest deadline (at most 0.5 s)."""
+        timeout = 0.5
+        expiring = [a.deadline for a in self.ledger.expired(math.inf)]
+        if expiring:
+            timeout = min(timeout, max(0.0, min(expiring) - now))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), timeout=timeout)
+        self.wake.clear()
+
+    # ---- filling the pipeline ---------------------------------------------------------------------
+
+    def _train_quota(self) -> int:
+        """How many new training micro-batches may be opened now."""
+        t = self.ledger
+        outstanding = t.inflight("train") + sum(1 for mb in t.pending() if mb.kind == "train")
+        if self.sync:
+            if self.window_open == 0 and self.window_left == 0 and self.step < self.target_steps:
+                self.window_left = self.accumulate
+            return self.window_left
+        return max(0, self.target_mbs - self.completed_train - outstanding)
+
+    def _next_micro_batch(self, open_new: bool) -> MicroBatch | None:
+        for mb in self.ledger.pending():  # retries and evaluations first, oldest first
+            return mb
+        if not open_new or self._train_quota() <= 0:
+            return None
+        tokens, targets = next(self.stream)  # (B, T), (B, T)
+        mb = self.ledger.open(
+            "train", tokens.numel(), data={"tokens": tokens, "targets": targets, "avoid": set()}
+        )
+        if self.sync:
+            self.window_left -= 1
+            self.window_open += 1
+        return mb
+
+    def _fill(self, now: float, *, open_new: bool = True) -> None:
+        if self.eval_due and self.eval_round is None:
+            self._open_eval()
+        while self.ledger.inflight() < self.config.max_inflight:
+            mb = self._next_micro_batch(open_new)
+            if mb is None:
+                return
+            try:
+                route = self.router.route(self.stages, avoid=frozenset(mb.data["avoid"]))
+            except NoPeersError as e:
+                self._stage_unavailable(e, now)
+                return
+            self._stage_available(now)
+            timeout = self.router.deadline_s(
+                route, self.stages, n_tokens=mb.n_tokens, wire_bytes=self.wire_bytes
+            )
+            attempt = self.ledger.start_attempt(mb.index, route, now=now, timeout_s=timeout)
+            if self.first_send is None:
+                self.first_send = now
+            self.tasks.spawn(self._send(attempt, mb))
+
+    async def _send(self, attempt: Attempt, mb: MicroBatch) -> None:
+        mode = "train" if mb.kind == "train" else mb.kind
+        try:
+            await self.link.send_forward(
+                route=attempt.route,
+                mb_id=attempt.mb_id,
+                mode=mode,
+                tokens=mb.data["tokens"],
+                targets=mb.data["targets"],
+                timeout_s=self.config.call_timeout_s,
+            )
+        except PeerFailure as e:
+            self._fail(attempt, reason=e.reason, stage=0, peer=attempt.route[0])
+        except RequestError as e:
+            reason = "busy" if "busy" in str(e) else "refused"
+            self._fail(attempt, reason=reason, stage=0, peer=attempt.route[0], detail=str(e))
+        self.wake.set()
+
+    def _stage_unavailable(self, e: NoPeersError, now: float) -> None:
+        if self.waiting_since is None:
+            self.waiting_since = now
+            self._event("stage_unavailable", stage=e.stage, reason=e.reason)
+        if now - self.last_wait_msg >= 30.0:
+            self.last_wait_msg = now
+            if e.reason == "empty":
+                self._say(
+                    f"waiting: stage {e.stage} of run {self.spec.run_id!r} has no online peer. Start one with:\n"
+                    f"  swarm peer --initial-peers {self.config.initial_peers[0]} --run {self.spec.run_id} "
+                    f"--stage {e.stage}"
+                )
+            else:
+                self._say(f"waiting: {e}; training continues when one of them is back")
+        if self.config.stage_wait_s is not None and now - self.waiting_since > self.config.stage_wait_s:
+            from swarm.errors import StageUnavailableError
+
+            raise StageUnavailableError(
+                f"stage {e.stage} of run {self.spec.run_id!r} had no usable peer for "
+                f"{now - self.waiting_since:.0f} s (stage_wait_s = {self.config.stage_wait_s}); start a peer "
+                f"with `swarm peer --initial-peers {self.config.initial_peers[0]} --run {self.spec.run_id} "
+                f"--stage {e.stage}` and run the trainer again"
+            )
+
+    def _stage_available(self, now: float) -> None:
+        if self.waiting_since is not None:
+            self._event("stage_available", waited_s=round(now - self.waiting_since, 2))
+            self._say(
+                f"every stage has peers again after {now - self.waiting_since:.1f} s; training continues"
+            )
+            self.waiting_since = None
+            self.last_wait_msg = -math.inf
+
+    # ---- outcomes -------------------------------------------------------------------------------
+
+    def _on_report(self, report: Report, payload: bytes) -> None:
+        outcome = self.ledger.on_report(report)
+        attempt, mb = outcome.attempt, outcome.micro_batch
+        if outcome.event == "completed":
+            assert attempt is not None and mb is not None
+            attempt.payload = payload
+            self._completed(attempt, mb)
+        elif outcome.event == "failed":
+            assert attempt is not None
+            self._fail(
+                attempt, reason=report.reason or "failed", stage=report.stage, peer=report.peer or None
+            )
+        elif outcome.event == "loss" and mb is not None and mb.state == "completed" and mb.kind == "train":
+            if report.loss is not None and math.isfinite(report.loss):
+                self.cur.losses.append(report.loss)  # a loss that arrived after its `done`
+        self.wake.set()
+
+    def _completed(self, attempt: Attempt, mb: MicroBatch) -> None:
+        for stage, pid in enumerate(attempt.route):
+            self.router.on_success(pid, n_tokens=mb.n_tokens, service_s=service_seconds(attempt.stats, stage))
+            self.peers_by_stage[stage][pid] += 1
+        if mb.kind == "eval":
+            self._eval_progress()
+            return
+        self.completed_train += 1
+        self.tokens_done += mb.n_tokens
+        self.cur.tokens += mb.n_tokens
+        if mb.loss is not None and math.isfinite(mb.loss):
+            self.cur.losses.append(mb.loss)
+        for k, v in attempt.stats.items():
+            self.cur.stats[k] += v
+        self._resolved_train()
+
+    def _fail(
+        self, attempt: Attempt, *, reason: str, stage: int | None, peer: str | None, detail: str = ""
+    ) -> None:
+        """Close a broken attempt: blame the failed peer (backoff), release the others, retry or drop."""
+        blamed = peer if peer in attempt.route else None
+        if blamed is None and stage is not None and 0 <= stage < len(attempt.route) and reason != "timeout":
+            blamed = attempt.route[stage]
+        decision = self.ledger.fail(attempt.mb_id, reason=reason, stage=stage, peer=blamed)
+        if decision == "stale":
+            return
+        for pid in attempt.route:
+            if pid == blamed:
+                self.router.on_failure(pid)
+            else:
+                self.router.release(pid)
+        mb = self.ledger.micro_batches[attempt.index]
+        # a timeout names nobody: prefer other peers for the whole route next time
+        mb.data["avoid"].update([blamed] if blamed else attempt.route)
+        self._event(
+            "attempt_failed",
+            mb_id=attempt.mb_id,
+            reason=reason,
+            stage=stage,
+            peer=blamed,
+            decision=decision,
+            detail=detail[:200],
+        )
+        if decision == "dropped":
+            if mb.kind == "train":
+                self._resolved_train()
+            else:
+                self._eval_progress()
+        self.wake.set()
+
+    def _resolved_train(self) -> None:
+        """One training micro-batch completed or dropped: close the step when it is full."""
+        self.cur.resolved += 1
+        if self.sync:
+            self.window_open -= 1
+            if self.window_open == 0 and self.window_left == 0:
+                self._close_step()
+        elif self.cur.resolved >= self.accumulate:
+            self._close_step()
+
+    def _close_step(self) -> None:
+        cur = self.cur
+        self.step += 1
+        loss = sum(cur.losses) / len(cur.losses) if cur.losses else None
+        if loss is not None:
+            self.last_loss = loss
+        totals = self.ledger.totals("train")
+        now = self._clock()
+        rec = step_record(
+            step=self.step,
+            elapsed_s=now - self.started,
+            loss=loss,
+            tokens=self.tokens_done,
+            step_tokens=cur.tokens,
+            step_stats=dict(cur.stats),
+            completed=totals["completed"],
+            dropped=totals["dropped"],
+            inflight=totals["inflight"],
+            tokens_per_s=self._tokens_per_s(now),
+        )
+        if self.writer is not None:
+            self.writer.write(rec)
+        self.cur = _Step()
+        if (
+            self.config.eval_every
+            and self.step % self.config.eval_every == 0
+            and self.step < self.target_steps
+        ):
+            self.eval_due = True
+
+    # ---- evaluation -----------------------------------------------------------------------------
+
+    def _open_eval(self) -> None:
+        self.eval_due = False
+        batches = self.data.eval_batches(self.spec.micro_batch_size, self.config.eval_batches)
+        self.eval_round = [
+            self.ledger.open("eval", x.numel(), data={"tokens": x, "targets": y, "avoid": set()}).index
+            for x, y in batches
+        ]
+
+    def _eval_progress(self) -> None:
+        if self.eval_round is None:
+            return
+        mbs = [self.ledger.micro_batches[i] for i in self.eval_round]
+        if any(mb.state in ("pending", "inflight") for mb in mbs):
+            return
+        losses = [mb.loss for mb in mbs if mb.state == "completed" and mb.loss is not None]
+        rec = {
+            "type": "eval",
+            "step": self.step,
+            "time": round(self._clock() - self.started, 3),
+            "tokens": self.tokens_done,
+            "eval_loss": sum(losses) / len(losses) if losses else None,
+            "eval_micro_batches": len(losses),
+        }
+        if self.writer is not None:
+            self.writer.write(rec)
+        if losses:
+            self._say(f"step {self.step}: held-out loss {rec['eval_loss']:.3f}")
+        self.eval_round = None
+
+    # ---- background loops ------------------------------------------------------------------------
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_every_s * random.uniform(0.8, 1.2))
+            try:
+                self.stages = await self.link.stage_records()
+            except PeerFailure as e:
+                self._event("dht_error", detail=str(e)[:200])
+            self.wake.set()
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.publish_every_s * random.uniform(0.8, 1.2))
+            try:
+                await self._publish()
+            except PeerFailure as e:
+                self._event("dht_error", detail=str(e)[:200])
+
+    async def _publish(self) -> None:
+        await asyncio.to_thread(
+            self.link.membership.publish_progress,
+            self.trainer_id,
+            self.tokens_done,
+            self.step,
+            self.last_loss,
+            tokens_per_s=self._tokens_per_s(self._clock()),
+        )
+
+    # ---- output ---------------------------------------------------------------------------------
+
+    def _tokens_per_s(self, now: float) -> float:
+        if self.first_send is None or now <= self.first_send:
+            return 0.0
+        return self.tokens_done / (now - self.first_send)
+
+    def _show(self) -> None:
+        if self.progress is None:
+            return
+        t = self.ledger.totals("train")
+        self.progress.update(
+            ProgressSnapshot(
+                tokens=self.tokens_done,
+                target_tokens=self.target_mbs * self.tokens_per_mb,
+                step=self.step,
+                target_steps=self.target_steps,
+                tokens_per_s=self._tokens_per_s(self._clock()),
+                loss=self.last_loss,
+                inflight=self.ledger.inflight(),
+                completed=t["completed"],
+                dropped=t["dropped"],
+            )
+        )
+
+    def _say(self, text: str) -> None:
+        if self.config.quiet:
+            return
+        progress = getattr(self, "progress", None)
+        if progress is not None:
+            progress.message(text)
+        else:
+            print(text, file=self._out, flush=True)
+
+    def _event(self, event: str, **fields: Any) -> None:
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            writer.write(
+                {"type": "event", "event": event, "time": round(self._clock() - self.started, 3), **fields}
+            )
+
+    def _finish(self) -> dict[str, Any]:
+        if self.progress is not None:
+            self._show()
+            self.progress.close()
+        now = self._clock()
+        totals = self.ledger.totals("train")
+        cfg = self.config
+        records = read_metrics(Path(cfg.out_dir) / "metrics.jsonl") if cfg.out_dir else []
+        summary = summarize(
+            records,
+            wall_s=now - (self.first_send or self.started),
+            totals=totals,
+            num_stages=self.spec.num_stages,
+            d_model=self.spec.model.d_model,
+            peers_by_stage={s: dict(p) for s, p in self.peers_by_stage.items()},
+            extra={
+                "run_id": self.spec.run_id,
+                "spec_hash": self.spec.spec_hash,
+                "trainer_id": self.trainer_id,
+                "mode": self.spec.optimizer.mode,
+                "eval_micro_batches": self.ledger.totals("eval"),
+                "codecs": {
+                    "activations": self.spec.codecs.activations,
+                    "gradients": self.spec.codecs.gradients,
+                },
+            },
+        )
+        if not records:  # no files: the summary still needs the numbers the ledger knows
+            summary["tokens"] = self.tokens_done
+            summary["steps"] = self.step
+        if cfg.out_dir:
+            out = Path(cfg.out_dir)
+            (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+            plot_loss(records, out / "loss.png", title=f"run {self.spec.run_id}: training loss")
+        if not cfg.quiet:
+            print(format_summary(summary), file=self._out, flush=True)
+            if cfg.out_dir:
+                print(f"metrics, loss plot and summary in {os.path.abspath(cfg.out_dir)}", file=self._out)
+        return summary

@@ -1,0 +1,284 @@
+"""The trainer's control loop against a simulated swarm (no sockets, millisecond delays).
+
+``SimSwarm`` stands in for the network side of ``swarm.trainer.SwarmLink`` only: it answers
+``send_forward`` and sends the reports real peers would send (``loss``, ``done``, ``failed``),
+with peers that can die, stay silent, or appear later. It checks the trainer's scheduling and
+bookkeeping (pipelining bound, sync lock-step, re-sends, deadlines, waiting for an empty stage);
+real peers on loopback are exercised in tests/test_trainer_integration.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import pytest
+import torch
+
+from peer.protocol import Report
+from swarm.data import TokenData
+from swarm.errors import PeerFailure, StageUnavailableError
+from swarm.metrics import read_metrics
+from swarm.records import PeerRecord
+from swarm.routing import RoutingConfig
+from swarm.spec import RunSpec
+from swarm.trainer import Trainer, TrainerConfig, service_seconds
+
+_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+def pid(name: str) -> str:
+    return ("Qm" + "".join(_B58[ord(c) % 58] for c in name) + "1" * 44)[:46]
+
+
+def make_spec(mode: str = "async", accumulate: int = 1) -> RunSpec:
+    return RunSpec.from_dict(
+        {
+            "run_id": "sim",
+            "model": {"vocab_size": 256, "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
+            "stages": 2,
+            "codecs": {"activations": "none", "gradients": "none"},
+            "optimizer": {"mode": mode, "accumulate": accumulate},
+            "micro_batch_size": 2,
+        }
+    )
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def publish_progress(self, trainer_id, tokens, steps, loss, *, tokens_per_s=0.0) -> bool:
+        self.calls.append((trainer_id, tokens, steps, loss))
+        return True
+
+
+class SimSwarm:
+    """Peers by stage; ``dead`` ones refuse connections, ``silent`` ones swallow micro-batches."""
+
+    def __init__(self, spec: RunSpec, peers: dict[int, list[str]], *, hop_s: float = 0.002):
+        self.spec = spec
+        self.peers = {s: [pid(n) for n in names] for s, names in peers.items()}
+        self.dead: set[str] = set()
+        self.silent: set[str] = set()
+        self.hop_s = hop_s
+        self.membership = Progress()
+        self.peer_id = pid("trainer")
+        self.on_report = lambda report, payload: None
+        self.received: dict[str, int] = {}
+        self.inflight = 0
+        self.max_inflight_seen = 0
+        self.sent_modes: list[str] = []
+        self.steps_seen = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    async def stage_records(self) -> list[dict[str, PeerRecord]]:
+        out = []
+        for s in range(self.spec.num_stages):
+            recs = {}
+            for p in self.peers.get(s, []):
+                recs[p] = PeerRecord(
+                    peer_id=p,
+                    run_id=self.spec.run_id,
+                    stage=s,
+                    state="online",
+                    throughput=1e6,
+                    queue=0,
+                    version=0,
+                    codecs=("none",),
+                    spec_hash=self.spec.spec_hash,
+                )
+            out.append(recs)
+        return out
+
+    async def send_forward(self, *, route, mb_id, mode, tokens, targets, timeout_s) -> dict:
+        assert tokens.shape == (self.spec.micro_batch_size, self.spec.model.seq_len)
+        if route[0] in self.dead:
+            raise PeerFailure("connection refused", peer=route[0], reason="unreachable")
+        self.sent_modes.append(mode)
+        task = asyncio.get_running_loop().create_task(self._travel(route, mb_id, mode, tokens))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return {"queue": 0}
+
+    def _report(self, mb_id: str, kind: str, stage: int, peer: str, **kw) -> None:
+        self.on_report(
+            Report(run_id=self.spec.run_id, mb_id=mb_id, kind=kind, stage=stage, peer=peer, **kw), b""
+        )
+
+    async def _travel(self, route, mb_id, mode, tokens) -> None:
+        self.inflight += 1
+        self.max_inflight_seen = max(self.max_inflight_seen, self.inflight)
+        try:
+            stats: dict[str, float] = {}
+            for s, p in enumerate(route):
+                if p in self.dead:  # the previous hop cannot deliver and says so
+                    self._report(mb_id, "failed", s, p, reason="unreachable")
+                    return
+                if p in self.silent:
+                    return
+                self.received[p] = self.received.get(p, 0) + 1
+                await asyncio.sleep(self.hop_s)
+                stats[f"fwd_compute_s_{s}"] = self.hop_s
+                stats[f"fwd_bytes_{s}"] = 100.0
+            loss = 5.0 / (1 + 0.05 * self.steps_seen)  # a loss that falls as work completes
+            if mode == "eval":
+                self._report(mb_id, "result", len(route) - 1, route[-1], loss=loss, stats=stats)
+                return
+            self._report(mb_id, "loss", len(route) - 1, route[-1], loss=loss, stats=stats)
+            await asyncio.sleep(self.hop_s * len(route))
+            self.steps_seen += 1
+            self._report(mb_id, "done", 0, route[0], stats={"bwd_compute_s_0": self.hop_s})
+        finally:
+            self.inflight -= 1
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def data_for(spec: RunSpec) -> TokenData:
+    return TokenData(torch.arange(20000) % 256, seq_len=spec.model.seq_len)
+
+
+FAST = RoutingConfig(deadline_base_s=0.5, deadline_slack=1.0, backoff_base_s=0.2, backoff_max_s=1.0)
+
+
+def config(tmp_path, **kw) -> TrainerConfig:
+    base = dict(
+        initial_peers=("/ip4/127.0.0.1/tcp/1/p2p/" + pid("boot"),),
+        run_id="sim",
+        out_dir=str(tmp_path),
+        routing=FAST,
+        refresh_every_s=0.05,
+        publish_every_s=0.05,
+        quiet=True,
+    )
+    base.update(kw)
+    return TrainerConfig(**base)
+
+
+def run(trainer: Trainer, sim: SimSwarm, spec: RunSpec) -> dict:
+    async def main():
+        try:
+            return await asyncio.wait_for(trainer.run_on(sim, data_for(spec)), timeout=30)
+        finally:
+            await sim.close()
+
+    return asyncio.run(main())
+
+
+def test_async_run_pipelines_accounts_and_writes_files(tmp_path):
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0", "b0"], 1: ["a1", "b1"]})
+    summary = run(Trainer(config(tmp_path, steps=40, max_inflight=4, eval_every=20)), sim, spec)
+    mb = summary["micro_batches"]
+    assert mb["completed"] == 40 and mb["dropped"] == 0 and mb["opened"] == 40
+    assert 1 < sim.max_inflight_seen <= 4
+    assert all(sim.received.get(pid(n), 0) > 5 for n in ("a0", "b0", "a1", "b1"))
+    assert summary["tokens"] == 40 * spec.tokens_per_micro_batch and summary["steps"] == 40
+    assert summary["loss_last"] < summary["loss_first"]
+    assert summary["bytes_per_token"] == pytest.approx(200.0 / spec.tokens_per_micro_batch)
+    steps = read_metrics(tmp_path / "metrics.jsonl", "step")
+    assert [r["step"] for r in steps] == list(range(1, 41))
+    evals = read_metrics(tmp_path / "metrics.jsonl", "eval")
+    assert [e["step"] for e in evals] == [20, 40] and all(e["eval_loss"] for e in evals)
+    assert "eval" in sim.sent_modes
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "summary.json").read_text())["micro_batches"]["completed"] == 40
+    assert sum(summary["peers_by_stage"]["0"].values()) == 40 + summary["eval_micro_batches"]["completed"]
+    assert sim.membership.calls and sim.membership.calls[-1][1] == summary["tokens"]
+
+
+def test_sync_mode_sends_accumulate_then_waits(tmp_path):
+    spec = make_spec("sync", accumulate=3)
+    sim = SimSwarm(spec, {0: ["a0", "b0"], 1: ["a1"]})
+    summary = run(Trainer(config(tmp_path, steps=5, max_inflight=8)), sim, spec)
+    assert summary["micro_batches"]["completed"] == 15 and summary["steps"] == 5
+    assert sim.max_inflight_seen == 3  # never more than one window of `accumulate` in the swarm
+
+
+def test_dead_peer_is_routed_around_and_everything_is_accounted(tmp_path):
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0", "b0"], 1: ["a1", "b1"]})
+    sim.dead.add(pid("b1"))  # stage-1 peer gone: stage 0 reports `failed` naming it
+    sim.dead.add(pid("b0"))  # stage-0 peer gone: the trainer's own call fails
+    summary = run(Trainer(config(tmp_path, steps=30, max_inflight=4)), sim, spec)
+    mb = summary["micro_batches"]
+    assert mb["completed"] == 30 and mb["retries"] > 0
+    assert mb["opened"] == mb["completed"] + mb["dropped"]
+    assert set(mb["failures_by_reason"]) == {"unreachable"}
+    assert set(summary["peers_by_stage"]["1"]) == {pid("a1")}
+    events = read_metrics(tmp_path / "metrics.jsonl", "event")
+    assert any(e["event"] == "attempt_failed" and e["peer"] == pid("b1") for e in events)
+
+
+def test_silent_peer_times_out_and_micro_batches_are_resent(tmp_path):
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0"], 1: ["a1", "quiet"]})
+    sim.silent.add(pid("quiet"))
+    summary = run(Trainer(config(tmp_path, steps=12, max_inflight=2, max_attempts=6)), sim, spec)
+    mb = summary["micro_batches"]
+    assert mb["completed"] == 12 and mb["failures_by_reason"].get("timeout", 0) >= 1
+    assert mb["opened"] == mb["completed"] + mb["dropped"]
+
+
+def test_exhausted_attempts_drop_with_reason_and_stage_then_give_up_on_empty_stage(tmp_path):
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0"], 1: ["bad"]})
+    sim.dead.add(pid("bad"))
+    trainer = Trainer(config(tmp_path, steps=2, max_inflight=1, max_attempts=1, stage_wait_s=0.5))
+
+    async def main():
+        async def record_expires():  # a dead peer's record expires after a while
+            await asyncio.sleep(0.3)
+            sim.peers[1] = []
+
+        helper = asyncio.get_running_loop().create_task(record_expires())
+        try:
+            return await asyncio.wait_for(trainer.run_on(sim, data_for(spec)), timeout=30)
+        finally:
+            await helper
+            await sim.close()
+
+    with pytest.raises(StageUnavailableError, match="stage 1 of run 'sim' had no usable peer"):
+        asyncio.run(main())
+    mb = trainer.summary["micro_batches"]
+    assert mb["dropped"] >= 1 and mb["dropped_by_reason"].get("unreachable", 0) >= 1
+    assert mb["dropped_by_stage"].get("1", 0) >= 1
+    assert mb["opened"] == mb["completed"] + mb["dropped"]
+
+
+def test_empty_stage_waits_with_command_then_continues(tmp_path):
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0"], 1: []})
+    out = io.StringIO()
+    trainer = Trainer(config(tmp_path, steps=5, quiet=False, progress_interval_s=100.0), out=out)
+
+    async def main():
+        async def add_peer_later():
+            await asyncio.sleep(0.5)
+            sim.peers[1] = [pid("late")]
+
+        helper = asyncio.get_running_loop().create_task(add_peer_later())
+        try:
+            return await asyncio.wait_for(trainer.run_on(sim, data_for(spec)), timeout=30)
+        finally:
+            await helper
+            await sim.close()
+
+    summary = asyncio.run(main())
+    text = out.getvalue()
+    assert "stage 1 of run 'sim' has no online peer" in text
+    assert "swarm peer --initial-peers /ip4/127.0.0.1/tcp/1/p2p/" in text and "--run sim --stage 1" in text
+    assert "training continues" in text
+    assert summary["micro_batches"]["completed"] == 5
+
+
+def test_service_seconds_reads_per_stage_stats():
+    stats = {"fwd_compute_s_1": 0.25, "bwd_compute_s_1": 0.5, "fwd_compute_s_0": 0.1}
+    assert service_seconds(stats, 1) == 0.75
+    assert service_seconds(stats, 0) == 0.1
+    assert service_seconds(stats, 2) is None
