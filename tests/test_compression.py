@@ -28,13 +28,12 @@ def _step_tol(spec: str) -> float:
     if spec.startswith("int8"):
         return (1.0 if "sr=1" in spec else 0.5) / 127
     if spec.startswith("blockwise8"):
-        mu = 32
-        top_step = 1 - math.expm1(126 / 127 * math.log1p(mu)) / mu  # widest gap: next to +-1
+        top_step = 1 - (126 / 127) ** 2  # widest gap: next to +-1
         return top_step * (1.0 if "sr=1" in spec else 0.5)
     if spec.startswith("blockwise4"):
         code = normal_code4() if "uniform" not in spec else torch.arange(-7, 8) / 7
         gap = float((code[1:] - code[:-1]).max())
-        return gap * (1.0 if "sr=1" in spec else 0.5)
+        return gap * (1.0 if "sr=1" in spec else 0.5) + 1 / 2048  # + the lookup grid's resolution
     if spec.startswith("lowrank"):
         return 2e-2  # full rank here, so only the fp16 factors' rounding
     raise AssertionError(spec)
