@@ -1,0 +1,194 @@
+"""Same-stage synchronisation over hivemind: state download for joining peers, and periodic averaging.
+
+Both use one ``hivemind.averaging.DecentralizedAverager`` per (run, stage), with the prefix
+``<run_id>_stage<i>`` (averager prefixes must not contain '.'; run ids cannot).
+
+State download (``load_state``): hivemind's ``load_state_from_peers`` asks a donor that declared
+itself in the DHT for its ``get_current_state()``. We override that to return the stage's
+*base* parameters, optimizer slots and version (``StageCompute.export_state``), so a joining peer
+continues exactly where the donor is. A peer declares itself as a donor only once it holds real
+state (``allow_state_sharing`` starts False), and its priority is its version, so joiners prefer
+the most advanced replica.
+
+Averaging (``average``): the averager's own tensors are shared-memory buffers of the state's
+shapes. A round copies the current state in, runs ``step()`` (blocking, so it is called from a
+dedicated thread, never the event loop), and returns ``(sent, averaged)``; the peer applies
+``current + (averaged - sent)`` between micro-batches (``StageCompute.apply_average``), so steps
+taken while the round ran are kept. A lone peer's round fails after the timeout; that is normal
+and reported as None.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["StageAverager", "averager_prefix"]
+
+logger = logging.getLogger(__name__)
+
+StateFn = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+def averager_prefix(run_id: str, stage: int) -> str:
+    prefix = f"{run_id}_stage{stage}"
+    assert "." not in prefix  # run ids are [A-Za-z0-9_-] (RunSpec validates it)
+    return prefix
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    sizes = [s.numel() for s in shapes]
+    return [part.reshape(shape).clone() for part, shape in zip(flat.split(sizes), shapes, strict=True)]
+
+
+def _make_averager_class():  # hivemind is imported lazily: it takes seconds and forks on use
+    import torch.multiprocessing as tmp
+    from hivemind.averaging import DecentralizedAverager
+
+    # hivemind switches torch to the "file_system" sharing strategy on import, which starts a
+    # `torch_shm_manager` daemon that outlives every averager (and aborts the process if it dies
+    # first). The averager only shares memory with its own forked child, for which torch's Linux
+    # default "file_descriptor" works; everything is sent as ONE flat tensor, so it costs one fd.
+    tmp.set_sharing_strategy("file_descriptor")
+
+    class _StateAverager(DecentralizedAverager):
+        """A ``DecentralizedAverager`` whose downloadable state is the stage peer's full state."""
+
+        state_fn: StateFn | None = None
+
+        def get_current_state(self):  # runs in the host process, in hivemind's fetcher thread
+            if self.state_fn is None:
+                raise RuntimeError("state requested before the peer holds any")
+            meta, tensors = self.state_fn()
+            return meta, [_flatten(tensors)], None
+
+    return _StateAverager
+
+
+class StageAverager:
+    """One averager of one stage: :meth:`create` (forks), then :meth:`wait_ready`."""
+
+    def __init__(self, averager: Any, prefix: str, shapes: list[torch.Size]):
+        self._averager = averager
+        self.shapes = shapes
+        self.prefix = prefix
+        self.rounds_ok = 0
+        self.rounds_failed = 0
+        self._lock = threading.Lock()  # one round at a time
+
+    @classmethod
+    def create(
+        cls,
+        dht: Any,
+        *,
+        run_id: str,
+        stage: int,
+        shapes: list[torch.Tensor],
+        state_fn: StateFn,
+        min_matchmaking_time_s: float = 2.0,
+        request_timeout_s: float = 1.0,
+    ) -> StageAverager:
+        """Fork the averager process for ``stage`` with buffers shaped like ``shapes`` (CPU float32).
+
+        Call from the event loop's thread and then :meth:`wait_ready` in a worker thread. Why not
+        ``run_in_background``: it sets the *caller's* SIGINT handler to "ignore" for good (so the
+        child ignores Ctrl-C) and only works in the main thread; here the handler is set only
+        around the fork and restored afterwards, so Ctrl-C keeps working in the peer.
+        """
+        averager_cls = _make_averager_class()
+        prefix = averager_prefix(run_id, stage)
+        sizes = [t.shape for t in shapes]
+        buffer = torch.zeros(sum(s.numel() for s in sizes), dtype=torch.float32)  # the state, flattened
+        averager = averager_cls(
+            [buffer],
+            dht,
+            start=False,
+            prefix=prefix,
+            target_group_size=8,
+            min_group_size=2,
+            min_matchmaking_time=min_matchmaking_time_s,
+            request_timeout=min(request_timeout_s, min_matchmaking_time_s / 2),
+            allow_state_sharing=False,
+            declare_state_period=10.0,
+            next_chunk_timeout=10.0,
+            shutdown_timeout=5.0,
+        )
+        averager.state_fn = state_fn
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                averager.start()  # the forked child inherits "ignore SIGINT": the parent stops it
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        else:
+            averager.start()
+        return cls(averager, prefix, sizes)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Block until the averager process serves (it joins the DHT's daemon); not on the loop."""
+        self._averager.wait_until_ready(timeout_s)
+
+    def share_state(self, allow: bool, priority: float = 0.0) -> None:
+        """Declare (or stop declaring) this peer as a donor; higher ``priority`` is preferred."""
+        self._averager.state_sharing_priority = float(priority)
+        self._averager.allow_state_sharing = allow
+
+    def load_state(self, timeout_s: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Download ``(meta, tensors)`` from a donor of this stage, or None when there is none."""
+        result = self._averager.load_state_from_peers(wait=True, timeout=timeout_s)
+        if result is None:
+            return None
+        meta, tensors = result
+        if not isinstance(meta, dict):
+            logger.warning(
+                "a donor of %s sent metadata of type %s; ignoring it", self.prefix, type(meta).__name__
+            )
+            return None
+        total = sum(s.numel() for s in self.shapes)
+        if len(tensors) != 1 or tensors[0].dim() != 1 or tensors[0].numel() != total:
+            got = [tuple(t.shape) for t in tensors]
+            logger.warning(
+                "a donor of %s sent tensors %s, expected one flat tensor of %d", self.prefix, got, total
+            )
+            return None
+        return meta, _unflatten(tensors[0], self.shapes)
+
+    def average(
+        self, state: list[torch.Tensor], *, weight: float, timeout_s: float
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """One blocking round: ``(sent, averaged)`` on success, None when no group formed or it failed."""
+        with self._lock:
+            flat = _flatten(state)
+            with self._averager.get_tensors() as buffers:
+                buffers[0].copy_(flat)
+            sent = _unflatten(flat, self.shapes)
+            try:
+                result = self._averager.step(weight=weight, timeout=timeout_s, allow_retries=False)
+            # hivemind surfaces a failed round as one of several types (AllreduceException,
+            # MatchmakingException, TimeoutError, P2P errors); a failed round is routine, never fatal.
+            except Exception as e:  # noqa: BLE001
+                self.rounds_failed += 1
+                logger.info("averaging round of %s did not complete: %s", self.prefix, e)
+                return None
+            if result is None:
+                self.rounds_failed += 1
+                return None
+            with self._averager.get_tensors() as buffers:
+                averaged = _unflatten(buffers[0], self.shapes)
+            self.rounds_ok += 1
+            return sent, averaged
+
+    def shutdown(self) -> None:
+        try:
+            self._averager.shutdown()
+        except (OSError, ValueError, BrokenPipeError) as e:
+            logger.debug("averager %s shutdown: %s", self.prefix, e)

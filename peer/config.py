@@ -1,0 +1,143 @@
+"""``PeerConfig``: everything a stage peer is told on its command line, typed and checked once.
+
+The CLI (``swarm peer``) parses into this dataclass and the Python API (``peer.StagePeer``) takes
+it, so both paths share one set of rules. Everything about the *run* (model, optimizer, codecs)
+comes from the run spec in the DHT, never from here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from swarm.errors import ConfigError
+
+__all__ = ["PeerConfig", "resolve_device"]
+
+
+def _tuple(value: object, name: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{name}={value!r} must be a list of multiaddr strings")
+    return tuple(value)
+
+
+def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        rule = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name}={value!r} must be a finite number {rule}")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """How one stage peer joins and serves. Checked in ``__post_init__`` (raises ``ConfigError``)."""
+
+    initial_peers: tuple[str, ...]
+    """Multiaddrs (with /p2p/) of peers already in the swarm, e.g. what `swarm init` printed."""
+    run_id: str
+    """The run to serve; its spec is read from the DHT and verified by hash."""
+    stage: Literal["auto"] | int = "auto"
+    """``"auto"``: claim the weakest stage and rebalance later; an int pins the peer to that stage."""
+    device: str = "auto"
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    host_maddrs: tuple[str, ...] = ()
+    """Where to listen; empty = loopback only (this machine). See ``public``."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Addresses others should dial, e.g. ``/ip4/<public ip>/tcp/<port>`` behind port forwarding."""
+    identity_path: str | None = None
+    """RSA identity file for a stable peer id (created if missing); None = new id each start."""
+    checkpoint_dir: str | None = None
+    """Save state here periodically and on exit, and resume from it; None = no checkpoints."""
+    public: bool = False
+    """Listen on all interfaces (``/ip4/0.0.0.0/tcp/0``) instead of loopback."""
+    announce_period_s: float = 5.0
+    """Seconds between announcements and rebalancing checks (jittered by +-20 %). Records expire
+    after 3 periods, so a crashed peer disappears from routing within ~15 s by default."""
+    rebalance: bool | None = None
+    """Move to another stage when placement says so; None = only when ``stage == "auto"``."""
+    rebalance_margin: float = 0.2
+    """Relative improvement of the swarm's bottleneck a move must bring (see swarm/placement.py)."""
+    slowdown_s: float = 0.0
+    """Artificial extra delay per micro-batch (seconds, added to every forward) to emulate a slow
+    peer in straggler tests and demos; 0 = none. The announced throughput accounts for it."""
+    max_queue: int = 64
+    """Compute tasks queued at most; more are refused with "busy, queue full" (backpressure)."""
+    throughput: float | None = None
+    """Declared tokens/s instead of measuring (tests, demos, or a known figure); None = measure."""
+    cache_dir: str | None = None
+    """Where the throughput measurement is cached; None = ``~/.cache/swarmpipe``."""
+    spec_timeout_s: float = 30.0
+    """How long to wait for the run spec in the DHT before giving up."""
+    request_timeout_s: float = 30.0
+    """Timeout of one call to the next hop (or a report to the trainer); raise on slow links."""
+    state_timeout_s: float = 30.0
+    """How long a state download from a same-stage peer may take."""
+    checkpoint_period_s: float = 300.0
+    """Seconds between periodic checkpoints (with ``checkpoint_dir``)."""
+    averaging_matchmaking_s: float = 2.0
+    """Seconds an averaging round waits for same-stage peers to gather (hivemind min_matchmaking_time)."""
+    drain_timeout_s: float = 30.0
+    """On leaving a stage or shutting down: how long to wait for in-flight micro-batches to finish."""
+    max_payload_bytes: int = 256 << 20
+    """Largest activation/gradient message this peer accepts (bytes)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "initial_peers", _tuple(self.initial_peers, "initial_peers"))
+        set_(self, "host_maddrs", _tuple(self.host_maddrs, "host_maddrs"))
+        set_(self, "announce_maddrs", _tuple(self.announce_maddrs, "announce_maddrs"))
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ConfigError(f"run_id={self.run_id!r} must be a non-empty string (the run to serve)")
+        stage = self.stage
+        if isinstance(stage, str) and stage != "auto":
+            if not stage.isdigit():
+                raise ConfigError(f"stage={stage!r} must be 'auto' or a stage number such as 0")
+            stage = int(stage)
+            set_(self, "stage", stage)
+        if stage != "auto" and (isinstance(stage, bool) or not isinstance(stage, int) or stage < 0):
+            raise ConfigError(f"stage={stage!r} must be 'auto' or a stage number >= 0")
+        resolve_device(self.device)  # validates the spelling; CUDA presence is checked at start
+        for name in (
+            "announce_period_s",
+            "spec_timeout_s",
+            "request_timeout_s",
+            "state_timeout_s",
+            "checkpoint_period_s",
+            "averaging_matchmaking_s",
+            "drain_timeout_s",
+        ):
+            set_(self, name, _positive(name, getattr(self, name)))
+        set_(self, "slowdown_s", _positive("slowdown_s", self.slowdown_s, allow_zero=True))
+        set_(self, "rebalance_margin", _positive("rebalance_margin", self.rebalance_margin, allow_zero=True))
+        if self.throughput is not None:
+            set_(self, "throughput", _positive("throughput", self.throughput))
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
+            raise ConfigError(f"max_queue={self.max_queue!r} must be an integer >= 1")
+        if self.checkpoint_dir is not None:
+            set_(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
+        if self.identity_path is not None:
+            set_(self, "identity_path", os.fspath(self.identity_path))
+
+    @property
+    def rebalancing(self) -> bool:
+        return self.stage == "auto" if self.rebalance is None else bool(self.rebalance)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available else ``cpu``; validates other spellings."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        return device
+    raise ConfigError(f"device={device!r} must be auto, cpu, cuda or cuda:N")

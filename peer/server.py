@@ -1,0 +1,869 @@
+"""``StagePeer``: one stage peer's lifecycle and its data-plane handlers.
+
+Lifecycle (``start`` .. ``shutdown``)::
+
+    DHT up -> fetch + verify the run spec -> pick a stage (placement, or --stage) -> measure
+    throughput -> announce "joining" -> load the stage's state (a same-stage donor via hivemind's
+    load_state_from_peers; else --checkpoint-dir; else the spec's seed) -> serve FORWARD / BACKWARD
+    / INFO -> announce "online" -> background: announce + rebalance (every ~5 s, jittered),
+    stash expiry, averaging, checkpoints -> on stop: "leaving", drain, checkpoint, shut down.
+
+Concurrency (one model per process, see STYLE.md): the asyncio loop owns every network call (P2P
+handlers, sends to the next hop, reports, DHT calls through ``asyncio.to_thread`` into the one
+``Membership``). Compute runs only in the worker thread of ``peer/runtime.py``; a finished task
+hands its network sends back to the loop with ``run_coroutine_threadsafe``. Averaging rounds run
+in their own thread and apply their result under the compute lock between micro-batches. Every
+background task belongs to ``self._tasks`` and is cancelled in ``shutdown``.
+
+Data plane (see ``peer/protocol.py`` for the message flow): a request is validated completely
+(run, spec hash, stage, route, token range, codec header shape before decoding, finite values) and
+then queued; the reply is the ack with the queue length. A peer that cannot deliver to the next hop
+reports ``failed`` to the trainer, naming that hop, and drops its stash entry.
+
+Per-hop stats keys added to headers and reports (all floats): ``fwd_compute_s_<s>``,
+``fwd_queue_s_<s>``, ``fwd_bytes_<s>`` (bytes sent to stage s+1), ``bwd_compute_s_<s>``,
+``bwd_queue_s_<s>``, ``bwd_bytes_<s>`` (bytes sent to stage s-1), ``version_<s>`` (forward
+version) and ``staleness_<s>`` (versions elapsed until backward).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+
+from peer.averaging import StageAverager
+from peer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from peer.compute import StageCompute
+from peer.config import PeerConfig, resolve_device
+from peer.protocol import (
+    BACKWARD,
+    FORWARD,
+    INFO,
+    REPORT,
+    BackwardHeader,
+    ForwardHeader,
+    Message,
+    Report,
+    call,
+    serve,
+    unpack_tokens,
+)
+from peer.runtime import ComputeQueue
+from peer.stash import VersionEvicted
+from peer.throughput import measure_throughput
+from swarm.errors import ConfigError, PeerFailure, RequestError, SwarmError
+
+__all__ = ["StagePeer"]
+
+logger = logging.getLogger(__name__)
+
+_EXPIRY_PERIOD_S = 1.0
+
+
+class StagePeer:
+    """A stage peer. ``await start()`` joins and serves; ``await shutdown()`` leaves cleanly."""
+
+    def __init__(self, config: PeerConfig):
+        self.config = config
+        self.spec: Any = None  # swarm.spec.RunSpec once started
+        self.device = torch.device(resolve_device(config.device))
+        self.state = "starting"  # starting | joining | online | leaving | stopped
+        self.throughput = 0.0
+        self.counters: dict[str, int] = {
+            "forwards": 0,
+            "backwards": 0,
+            "refused": 0,
+            "failed_sends": 0,
+            "version_evicted": 0,
+            "expired": 0,
+            "moves": 0,
+            "averaging_rounds": 0,
+        }
+        self.loaded_from = ""  # "peer", "checkpoint" or "seed": where the stage's state came from
+        self._dht: Any = None
+        self._p2p: Any = None
+        self._membership: Any = None
+        self._compute: StageCompute | None = None
+        self._averager: StageAverager | None = None
+        self._queue: ComputeQueue | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._sends: set[asyncio.Future] = set()
+        self._rng = random.Random()
+        self._averaging_thread: threading.Thread | None = None
+        self._last_averaged_step = 0
+        self._stop_averaging = threading.Event()
+        self._switch_lock = asyncio.Lock()
+        self._codecs: tuple[Any, Any] | None = None
+
+    # ------------------------------------------------------------------------------ properties
+
+    @property
+    def peer_id(self) -> str:
+        if self._membership is None:
+            raise RuntimeError("the peer has not started")
+        return self._membership.peer_id
+
+    @property
+    def stage(self) -> int:
+        if self._compute is None:
+            raise RuntimeError("the peer serves no stage yet")
+        return self._compute.stage
+
+    @property
+    def version(self) -> int:
+        return -1 if self._compute is None else self._compute.version
+
+    @property
+    def compute(self) -> StageCompute:
+        if self._compute is None:
+            raise RuntimeError("the peer serves no stage yet")
+        return self._compute
+
+    @property
+    def queue(self) -> ComputeQueue:
+        assert self._queue is not None
+        return self._queue
+
+    @property
+    def dht(self) -> Any:
+        return self._dht
+
+    def visible_maddrs(self) -> list[str]:
+        from swarm.network import visible_maddrs
+
+        return visible_maddrs(self._dht)
+
+    def stats(self) -> dict[str, float]:
+        """Counters, queue figures and stash figures, for status and tests."""
+        out: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
+        if self._queue is not None:
+            out.update({f"queue_{k}": v for k, v in self._queue.stats.as_dict().items()})
+        if self._compute is not None:
+            c = self._compute
+            out.update(
+                stash=float(len(c.stash)),
+                stash_expired=float(c.stash.expired),
+                stash_dropped=float(c.stash.dropped),
+                version=float(c.version),
+                steps=float(c.steps_taken),
+                evicted_refusals=float(c.versions.evicted_refusals),
+            )
+        return out
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Join the run and serve. On failure everything started so far is shut down again."""
+        from swarm.membership import Membership
+        from swarm.network import DHTConfig, reachability_warning, start_dht, visible_maddrs
+
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        try:
+            dht_cfg = DHTConfig(
+                initial_peers=cfg.initial_peers,
+                host_maddrs=cfg.host_maddrs,
+                announce_maddrs=cfg.announce_maddrs,
+                identity_path=cfg.identity_path,
+                public=cfg.public,
+            )
+            self._dht = await asyncio.to_thread(start_dht, dht_cfg)
+            self._membership = Membership(self._dht, cfg.run_id)
+            warning = reachability_warning(
+                cfg.initial_peers, cfg.announce_maddrs or tuple(visible_maddrs(self._dht))
+            )
+            if warning:
+                logger.warning("%s", warning)
+            self.spec = await asyncio.to_thread(self._membership.fetch_spec, cfg.spec_timeout_s)
+            self._check_device()
+            from compression import get_codec
+
+            self._codecs = (
+                get_codec(self.spec.codecs.activations, max_decoded_bytes=cfg.max_payload_bytes * 8),
+                get_codec(self.spec.codecs.gradients, max_decoded_bytes=cfg.max_payload_bytes * 8),
+            )
+            self._queue = ComputeQueue(cfg.max_queue, forward_gate=self._forward_gate)
+            self._queue.start()
+            self._p2p = await self._dht.replicate_p2p()
+            resume = await asyncio.to_thread(self._read_checkpoint)
+            stage = await self._pick_stage(resume)
+            await self._join_stage(stage, resume)
+            for name, handler in (
+                (FORWARD, self._on_forward),
+                (BACKWARD, self._on_backward),
+                (INFO, self._on_info),
+            ):
+                await serve(self._p2p, name, handler, max_payload_bytes=cfg.max_payload_bytes)
+            self.state = "online"
+            await self._announce()
+            self._spawn(self._announce_loop())
+            self._spawn(self._expiry_loop())
+            if cfg.checkpoint_dir is not None:
+                self._spawn(self._checkpoint_loop())
+            logger.info("peer %s serving stage %d of run %s", self.peer_id, self.stage, cfg.run_id)
+        except BaseException:
+            await self.shutdown()
+            raise
+
+    def _check_device(self) -> None:
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {self.config.device!r} was requested but CUDA is not available on this machine; "
+                "use --device cpu (or auto)"
+            )
+
+    def _read_checkpoint(self) -> Checkpoint | None:
+        if self.config.checkpoint_dir is None:
+            return None
+        return load_checkpoint(self.config.checkpoint_dir, spec_hash=self.spec.spec_hash)
+
+    async def _pick_stage(self, resume: Checkpoint | None) -> int:
+        n = self.spec.num_stages
+        if self.config.stage != "auto":
+            stage = int(self.config.stage)
+            if stage >= n:
+                raise ConfigError(
+                    f"--stage {stage} does not exist: run {self.spec.run_id!r} has {n} stages (0..{n - 1}); "
+                    "pass one of those or --stage auto"
+                )
+            return stage
+        if resume is not None and resume.stage < n:
+            return resume.stage  # resume where this peer left off; rebalancing may move it later
+        from swarm.placement import choose_stage
+
+        records = await asyncio.to_thread(self._membership.all_stage_records)
+        # choose_stage does not depend on our own throughput (the weakest stage gains most from
+        # any peer), so the stage is chosen first and measured once below.
+        return choose_stage(records, my_throughput=0.0, rng=self._rng)
+
+    async def _measure(self, stage: int) -> float:
+        if self.config.throughput is not None:
+            value = self.config.throughput
+        else:
+            value = await asyncio.to_thread(
+                measure_throughput, self.spec, stage, self.device, cache_dir=self.config.cache_dir
+            )
+        if self.config.slowdown_s > 0:
+            # the artificial delay is part of what a micro-batch costs here: announce the slower rate
+            per_mb = self.spec.tokens_per_micro_batch / value + self.config.slowdown_s
+            value = self.spec.tokens_per_micro_batch / per_mb
+        return value
+
+    async def _join_stage(self, stage: int, resume: Checkpoint | None) -> None:
+        """Build the stage, load its state (donor > checkpoint > seed), start its averager."""
+        self.state = "joining"
+        self.throughput = await self._measure(stage)
+        compute = await asyncio.to_thread(StageCompute, self.spec, stage, device=self.device)
+        compute.on_gate_change = self._notify_queue
+        self._compute = compute
+        await self._announce()
+        meta, tensors = compute.export_state()
+        self._averager = StageAverager.create(
+            self._dht,
+            run_id=self.spec.run_id,
+            stage=stage,
+            shapes=tensors,
+            state_fn=self._donor_state,
+            min_matchmaking_time_s=self.config.averaging_matchmaking_s,
+        )
+        await asyncio.to_thread(self._averager.wait_ready, 30.0)
+        records = await asyncio.to_thread(self._membership.stage_records, stage)
+        others = [r for pid, r in records.items() if pid != self.peer_id and r.state == "online"]
+        loaded = None
+        attempts = 3 if others else 1
+        for attempt in range(attempts):
+            loaded = await asyncio.to_thread(self._averager.load_state, self.config.state_timeout_s)
+            if loaded is not None:
+                try:
+                    compute.import_state(*loaded)
+                    self.loaded_from = "peer"
+                    break
+                except RequestError as e:
+                    logger.warning("refused the state a donor of stage %d sent: %s", stage, e)
+                    loaded = None
+            if attempt + 1 < attempts:
+                await asyncio.sleep(1.0)
+        if loaded is None:
+            if others:
+                logger.warning(
+                    "stage %d has %d online peer(s) but no state could be downloaded from them; "
+                    "starting from %s",
+                    stage,
+                    len(others),
+                    "the checkpoint" if resume else "the spec's seed",
+                )
+            if resume is not None and resume.stage == stage:
+                compute.import_state(resume.meta | {"version": resume.version}, resume.tensors)
+                self.loaded_from = "checkpoint"
+            else:
+                self.loaded_from = "seed"
+        self._last_averaged_step = compute.steps_taken
+        self._averager.share_state(True, priority=compute.version)
+        self._notify_queue()
+
+    def _donor_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a joining peer downloads (called in hivemind's fetcher thread)."""
+        compute = self._compute
+        if compute is None or self.state not in ("online", "leaving"):
+            raise RequestError("this peer holds no stage state to share yet")
+        return compute.export_state()
+
+    async def shutdown(self) -> None:
+        """Announce leaving, drain, checkpoint, stop everything this peer started. Idempotent."""
+        if self.state == "stopped":
+            return
+        was_serving = self.state in ("online", "joining", "leaving")
+        self.state = "leaving"
+        if was_serving and self._membership is not None and self._compute is not None:
+            with contextlib.suppress(SwarmError, OSError):
+                await asyncio.wait_for(self._announce(), timeout=5)
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._stop_averaging.set()
+        if self._queue is not None:
+            await asyncio.to_thread(self._queue.close, timeout_s=self.config.drain_timeout_s)
+        if self._sends:
+            await asyncio.wait(list(self._sends), timeout=min(5.0, self.config.request_timeout_s))
+        if self._averaging_thread is not None:
+            await asyncio.to_thread(self._averaging_thread.join, self.spec.averaging.timeout_s + 5)
+        if self._compute is not None and self.config.checkpoint_dir is not None:
+            try:
+                await asyncio.to_thread(self._save_checkpoint)
+            except OSError as e:
+                logger.error("could not save the final checkpoint to %s: %s", self.config.checkpoint_dir, e)
+        if self._averager is not None:
+            await asyncio.to_thread(self._averager.shutdown)
+            self._averager = None
+        if self._p2p is not None:
+            with contextlib.suppress(Exception):
+                for name in (FORWARD, BACKWARD, INFO):
+                    await self._p2p.remove_protobuf_handler(name)
+            self._p2p = None
+        if self._dht is not None:
+            await asyncio.to_thread(self._dht.shutdown)
+            self._dht = None
+        self.state = "stopped"
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------- announcing, rebalancing
+
+    def _record(self) -> Any:
+        from swarm.records import PeerRecord
+
+        compute = self.compute
+        state = self.state if self.state in ("joining", "online", "leaving") else "joining"
+        return PeerRecord(
+            peer_id=self.peer_id,
+            run_id=self.spec.run_id,
+            stage=compute.stage,
+            state=state,
+            throughput=float(self.throughput),
+            queue=len(self._queue) if self._queue is not None else 0,
+            version=compute.version,
+            codecs=tuple(
+                sorted({self.spec.codecs.activations.split(":")[0], self.spec.codecs.gradients.split(":")[0]})
+            ),
+            spec_hash=self.spec.spec_hash,
+        )
+
+    async def _announce(self) -> None:
+        period = self.config.announce_period_s
+        await asyncio.to_thread(self._membership.announce, self._record(), 3 * period)
+
+    async def _announce_loop(self) -> None:
+        period = self.config.announce_period_s
+        while True:
+            await asyncio.sleep(period * self._rng.uniform(0.8, 1.2))
+            try:
+                if self.state == "online":
+                    await self._announce()
+                    if self._averager is not None:
+                        self._averager.share_state(True, priority=self.compute.version)
+                    await self._maybe_average()
+                    if self.config.rebalancing:
+                        await self._maybe_move()
+            except (SwarmError, OSError) as e:
+                logger.warning("announce/rebalance round failed: %s", e)
+
+    async def _maybe_move(self) -> None:
+        from swarm.placement import should_move
+
+        records = await asyncio.to_thread(self._membership.all_stage_records)
+        target = should_move(records, self.peer_id, margin=self.config.rebalance_margin, rng=self._rng)
+        if target is not None and target != self.stage:
+            logger.info("rebalancing: moving from stage %d to stage %d", self.stage, target)
+            await self.move_to(target)
+
+    async def move_to(self, stage: int) -> None:
+        """Leave the current stage (finishing in-flight work) and serve ``stage`` with its current state."""
+        if not 0 <= stage < self.spec.num_stages:
+            raise ConfigError(f"stage {stage} does not exist: the run has {self.spec.num_stages} stages")
+        async with self._switch_lock:
+            old = self.compute
+            self.state = "leaving"
+            await self._announce()
+            deadline = time.monotonic() + self.config.drain_timeout_s
+            while time.monotonic() < deadline and (len(old.stash) or not self.queue.idle or self._sends):
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(old.flush_step)  # no accumulated gradient is lost by moving
+            self._stop_averaging.set()
+            if self._averaging_thread is not None:
+                await asyncio.to_thread(self._averaging_thread.join, self.spec.averaging.timeout_s + 5)
+            self._averaging_thread = None
+            self._stop_averaging = threading.Event()
+            if self._averager is not None:
+                await asyncio.to_thread(self._averager.shutdown)
+                self._averager = None
+            await self._join_stage(stage, None)
+            self.state = "online"
+            self.counters["moves"] += 1
+            await self._announce()
+
+    # ----------------------------------------------------------------------------- background
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_EXPIRY_PERIOD_S)
+            compute = self._compute
+            if compute is None:
+                continue
+            for entry in compute.expire():
+                self.counters["expired"] += 1
+                header: ForwardHeader = entry.context
+                self._report_failed(
+                    header,
+                    stage=compute.stage,
+                    peer=self.peer_id,
+                    reason=f"stash expired: no backward within {self.spec.stash_ttl_s:.0f} s",
+                )
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.checkpoint_period_s)
+            try:
+                await asyncio.to_thread(self._save_checkpoint)
+            except OSError as e:
+                logger.error("periodic checkpoint to %s failed: %s", self.config.checkpoint_dir, e)
+
+    def _save_checkpoint(self) -> None:
+        compute = self.compute
+        meta, tensors = compute.export_state()
+        save_checkpoint(
+            self.config.checkpoint_dir,
+            Checkpoint(
+                spec_hash=self.spec.spec_hash,
+                run_id=self.spec.run_id,
+                stage=compute.stage,
+                version=meta["version"],
+                names=meta["names"],
+                tensors=tensors,
+                meta=meta,
+            ),
+        )
+
+    async def _maybe_average(self) -> None:
+        """Start a background averaging round when ``every_steps`` local steps passed and peers exist."""
+        every = self.spec.averaging.every_steps
+        compute = self._compute
+        if every == 0 or compute is None or self._averager is None:
+            return
+        if self._averaging_thread is not None and self._averaging_thread.is_alive():
+            return
+        if compute.steps_taken - self._last_averaged_step < every:
+            return
+        records = await asyncio.to_thread(self._membership.stage_records, compute.stage)
+        if not any(pid != self.peer_id and r.state == "online" for pid, r in records.items()):
+            return  # a lone peer just goes on
+        self._last_averaged_step = compute.steps_taken
+        averager, stop = self._averager, self._stop_averaging
+        self._averaging_thread = threading.Thread(
+            target=self._average_round, args=(compute, averager, stop), name="stage-averaging", daemon=True
+        )
+        self._averaging_thread.start()
+
+    def _average_round(self, compute: StageCompute, averager: StageAverager, stop: threading.Event) -> None:
+        _, state = compute.export_state()
+        timeout = max(self.spec.averaging.timeout_s, self.config.averaging_matchmaking_s + 1.0)
+        result = averager.average(state, weight=1.0, timeout_s=timeout)
+        if result is None or stop.is_set() or compute is not self._compute:
+            return
+        sent, averaged = result
+        compute.apply_average(sent, averaged)
+        self.counters["averaging_rounds"] += 1
+
+    async def average_now(self) -> bool:
+        """Run one averaging round now (tests, demos); True if it completed and was applied."""
+        compute, averager = self.compute, self._averager
+        if averager is None:
+            return False
+        before = self.counters["averaging_rounds"]
+        await asyncio.to_thread(self._average_round, compute, averager, self._stop_averaging)
+        return self.counters["averaging_rounds"] > before
+
+    # ------------------------------------------------------------------------------- handlers
+
+    def _forward_gate(self) -> bool:
+        compute = self._compute
+        return compute is None or compute.forward_allowed()
+
+    def _notify_queue(self) -> None:
+        if self._queue is not None:
+            self._queue.notify()
+
+    def _check_common(self, run_id: str, spec_hash: str, stage: int, what: str) -> StageCompute:
+        if run_id != self.spec.run_id or spec_hash != self.spec.spec_hash:
+            raise RequestError(
+                f"{what} for run {run_id!r} spec {spec_hash} reached a peer of run {self.spec.run_id!r} "
+                f"spec {self.spec.spec_hash}; refresh the route from the DHT"
+            )
+        compute = self._compute
+        if compute is None or stage != compute.stage:
+            mine = "none" if compute is None else compute.stage
+            raise RequestError(
+                f"{what} for stage {stage} reached a peer serving stage {mine}; refresh the route"
+            )
+        return compute
+
+    def _decode(self, payload: bytes, shape: tuple[int, ...], what: str) -> torch.Tensor:
+        """Check the codec header's shape before decoding, then decode and check values (thread pool)."""
+        from compression import CodecError, decode_any, header_info
+
+        cap = self.config.max_payload_bytes * 8
+        try:
+            info = header_info(payload, max_decoded_bytes=cap)
+            if tuple(info["shape"]) != shape:
+                raise RequestError(
+                    f"{what} payload has shape {tuple(info['shape'])}, expected {shape} (batch, seq, d_model)"
+                )
+            tensor = decode_any(payload, max_decoded_bytes=cap)
+        except CodecError as e:
+            raise RequestError(f"{what} payload cannot be decoded: {e}") from None
+        if not tensor.is_floating_point():
+            raise RequestError(f"{what} payload has dtype {tensor.dtype}; expected floating point")
+        if not torch.isfinite(tensor).all():
+            raise RequestError(f"{what} payload holds NaN or Inf values; refusing it")
+        return tensor.float()
+
+    async def _on_info(self, message: Message, remote: Any) -> dict[str, Any]:
+        compute = self._compute
+        return {
+            "run_id": self.spec.run_id,
+            "spec_hash": self.spec.spec_hash,
+            "peer_id": self.peer_id,
+            "stage": -1 if compute is None else compute.stage,
+            "version": self.version,
+            "queue": len(self._queue) if self._queue is not None else 0,
+            "state": self.state,
+        }
+
+    async def _on_forward(self, message: Message, remote: Any) -> dict[str, Any]:
+        try:
+            h = ForwardHeader.from_wire(message.header)
+            compute = self._check_common(h.run_id, h.spec_hash, h.stage, "forward")
+            if self.state != "online":
+                raise RequestError(
+                    f"this peer is {self.state} and takes no new forwards; route to another peer"
+                )
+            if h.route[h.stage] != self.peer_id:
+                raise RequestError(f"route names {h.route[h.stage]} for stage {h.stage}, not this peer")
+            if len(h.route) != self.spec.num_stages:
+                raise RequestError(
+                    f"route has {len(h.route)} hops, the run has {self.spec.num_stages} stages"
+                )
+            model = self.spec.model
+            if h.seq > model.seq_len:
+                raise RequestError(f"sequence length {h.seq} exceeds the run's model.seq_len {model.seq_len}")
+            tokens = unpack_tokens(h.tokens, h.batch, h.seq, model.vocab_size)
+            targets = unpack_tokens(h.targets, h.batch, h.seq, model.vocab_size) if h.targets else None
+            if compute.is_last and h.mode != "generate" and targets is None:
+                raise RequestError(f"mode {h.mode!r} needs targets at the last stage")
+            if compute.is_first:
+                if message.payload:
+                    raise RequestError("stage 0 takes token ids from the header; the payload must be empty")
+                x = tokens
+            else:
+                shape = (h.batch, h.seq, model.d_model)
+                x = await asyncio.to_thread(self._decode, message.payload, shape, "forward")
+            if h.mode == "train" and h.mb_id in compute.stash:
+                raise RequestError(
+                    f"micro-batch {h.mb_id!r} is already in flight here; every attempt needs a new mb_id"
+                )
+            n = self.queue.submit(
+                "forward", lambda waited: self._forward_task(compute, h, x, targets, waited)
+            )
+        except RequestError:
+            self.counters["refused"] += 1
+            raise
+        return {"queue": n}
+
+    async def _on_backward(self, message: Message, remote: Any) -> dict[str, Any]:
+        try:
+            h = BackwardHeader.from_wire(message.header)
+            compute = self._check_common(h.run_id, h.spec_hash, h.stage, "backward")
+            entry = compute.peek(h.mb_id)
+            fwd: ForwardHeader = entry.context
+            if h.stage + 1 < len(fwd.route) and str(remote) != fwd.route[h.stage + 1]:
+                raise RequestError(
+                    f"backward of {h.mb_id!r} came from {remote}, not from the route's next peer {fwd.route[h.stage + 1]}"
+                )
+            if not compute.versions.has(entry.version):
+                compute.drop(h.mb_id)
+                compute.versions.evicted_refusals += 1
+                self.counters["version_evicted"] += 1
+                reason = (
+                    f"version evicted: weight version {entry.version} of stage {compute.stage} is gone "
+                    f"(max_versions={self.spec.optimizer.max_versions})"
+                )
+                self._report_failed(fwd, stage=compute.stage, peer=self.peer_id, reason=reason)
+                raise RequestError(reason)
+            grad = await asyncio.to_thread(self._decode, message.payload, entry.output_shape, "backward")
+            n = self.queue.submit(
+                "backward", lambda waited: self._backward_task(compute, h, fwd, grad, waited)
+            )
+        except RequestError:
+            self.counters["refused"] += 1
+            raise
+        return {"queue": n}
+
+    # -------------------------------------------------------------------- worker-thread tasks
+
+    def _forward_task(
+        self,
+        compute: StageCompute,
+        h: ForwardHeader,
+        x: torch.Tensor,
+        targets: torch.Tensor | None,
+        waited: float,
+    ) -> None:
+        s = compute.stage
+        if self.config.slowdown_s > 0:
+            time.sleep(self.config.slowdown_s)  # the documented artificial straggler delay
+        try:
+            res = compute.forward(h.mb_id, x, h.mode, targets=targets, context=h)
+        except RequestError as e:
+            self._report_failed(h, stage=s, peer=self.peer_id, reason=str(e))
+            return
+        self.counters["forwards"] += 1
+        stats = dict(h.stats)
+        stats[f"fwd_compute_s_{s}"] = res.compute_s
+        stats[f"fwd_queue_s_{s}"] = waited
+        stats[f"version_{s}"] = float(res.version)
+        if not compute.is_last:
+            nxt = h.route[s + 1]
+            payload = self._codecs[0].encode(res.output, stream=(nxt, s, "act"))
+            stats[f"fwd_bytes_{s}"] = float(len(payload))
+            header = dataclasses.replace(h, stage=s + 1, stats=stats, sent_at=time.time())
+            self._send(self._deliver_forward(compute, h, header, payload))
+            return
+        # the last stage: loss, then backward (train) or the result (eval/generate)
+        if h.mode == "train":
+            self._send(
+                self._report(
+                    h.trainer,
+                    Report(
+                        run_id=h.run_id,
+                        mb_id=h.mb_id,
+                        kind="loss",
+                        stage=s,
+                        peer=self.peer_id,
+                        loss=res.loss,
+                        n_tokens=res.n_tokens,
+                        version=res.version,
+                        stats=stats,
+                    ),
+                )
+            )
+            self.counters["backwards"] += 1
+            self._after_backward(compute, h, res.grad_input, stats)
+        elif h.mode == "eval":
+            self._send(
+                self._report(
+                    h.trainer,
+                    Report(
+                        run_id=h.run_id,
+                        mb_id=h.mb_id,
+                        kind="result",
+                        stage=s,
+                        peer=self.peer_id,
+                        loss=res.loss,
+                        n_tokens=res.n_tokens,
+                        version=res.version,
+                        stats=stats,
+                    ),
+                )
+            )
+        else:
+            from compression import get_codec
+
+            payload = get_codec("none").encode(res.logits_last.float())  # (B, vocab)
+            self._send(
+                self._report(
+                    h.trainer,
+                    Report(
+                        run_id=h.run_id,
+                        mb_id=h.mb_id,
+                        kind="result",
+                        stage=s,
+                        peer=self.peer_id,
+                        loss=res.loss,
+                        n_tokens=res.n_tokens,
+                        version=res.version,
+                        stats=stats,
+                    ),
+                    payload,
+                )
+            )
+
+    def _backward_task(
+        self, compute: StageCompute, h: BackwardHeader, fwd: ForwardHeader, grad: torch.Tensor, waited: float
+    ) -> None:
+        s = compute.stage
+        try:
+            res = compute.backward(h.mb_id, grad)
+        except VersionEvicted as e:
+            self.counters["version_evicted"] += 1
+            self._report_failed(fwd, stage=s, peer=self.peer_id, reason=str(e))
+            return
+        except RequestError as e:
+            self._report_failed(fwd, stage=s, peer=self.peer_id, reason=str(e))
+            return
+        self.counters["backwards"] += 1
+        stats = dict(h.stats)
+        stats[f"bwd_compute_s_{s}"] = res.compute_s
+        stats[f"bwd_queue_s_{s}"] = waited
+        stats[f"staleness_{s}"] = float(res.staleness)
+        self._after_backward(compute, fwd, res.grad_input, stats)
+
+    def _after_backward(
+        self,
+        compute: StageCompute,
+        fwd: ForwardHeader,
+        grad_input: torch.Tensor | None,
+        stats: dict[str, float],
+    ) -> None:
+        """Send the input gradient to the previous stage, or report ``done`` from stage 0."""
+        s = compute.stage
+        if s == 0:
+            self._send(
+                self._report(
+                    fwd.trainer,
+                    Report(
+                        run_id=fwd.run_id,
+                        mb_id=fwd.mb_id,
+                        kind="done",
+                        stage=0,
+                        peer=self.peer_id,
+                        version=compute.version,
+                        stats=stats,
+                    ),
+                )
+            )
+            return
+        prev = fwd.route[s - 1]
+        payload = self._codecs[1].encode(grad_input, stream=(prev, s, "grad"))
+        stats[f"bwd_bytes_{s}"] = float(len(payload))
+        header = BackwardHeader(
+            run_id=fwd.run_id, spec_hash=fwd.spec_hash, mb_id=fwd.mb_id, stage=s - 1, stats=stats
+        )
+        self._send(self._deliver_backward(compute, fwd, header, payload))
+
+    # ---------------------------------------------------------------------- network (loop side)
+
+    def _send(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Hand a coroutine from any thread to the event loop; it is tracked until done."""
+        loop = self._loop
+        assert loop is not None
+
+        def _schedule() -> None:
+            fut = asyncio.ensure_future(coro)
+            self._sends.add(fut)
+            fut.add_done_callback(self._sends.discard)
+
+        if _running_loop() is loop:
+            _schedule()
+        else:
+            try:
+                loop.call_soon_threadsafe(_schedule)
+            except RuntimeError:  # the loop is closed: we are shutting down
+                coro.close()
+
+    async def _deliver_forward(
+        self, compute: StageCompute, h: ForwardHeader, header: ForwardHeader, payload: bytes
+    ) -> None:
+        nxt = header.route[header.stage]
+        try:
+            await call(
+                self._p2p,
+                nxt,
+                FORWARD,
+                Message(header.to_wire(), payload),
+                timeout_s=self.config.request_timeout_s,
+            )
+        except (PeerFailure, RequestError) as e:
+            self.counters["failed_sends"] += 1
+            compute.drop(h.mb_id)
+            await self._report(h.trainer, self._failed(h, stage=header.stage, peer=nxt, reason=str(e)))
+
+    async def _deliver_backward(
+        self, compute: StageCompute, fwd: ForwardHeader, header: BackwardHeader, payload: bytes
+    ) -> None:
+        prev = fwd.route[header.stage]
+        try:
+            await call(
+                self._p2p,
+                prev,
+                BACKWARD,
+                Message(header.to_wire(), payload),
+                timeout_s=self.config.request_timeout_s,
+            )
+        except (PeerFailure, RequestError) as e:
+            self.counters["failed_sends"] += 1
+            await self._report(fwd.trainer, self._failed(fwd, stage=header.stage, peer=prev, reason=str(e)))
+
+    def _failed(self, h: ForwardHeader, *, stage: int, peer: str, reason: str) -> Report:
+        return Report(
+            run_id=h.run_id, mb_id=h.mb_id, kind="failed", stage=stage, peer=peer, reason=reason[:2000]
+        )
+
+    def _report_failed(self, h: ForwardHeader, *, stage: int, peer: str, reason: str) -> None:
+        self._send(self._report(h.trainer, self._failed(h, stage=stage, peer=peer, reason=reason)))
+
+    async def _report(self, trainer: str, report: Report, payload: bytes = b"") -> None:
+        if self._p2p is None:
+            return
+        try:
+            await call(
+                self._p2p,
+                trainer,
+                REPORT,
+                Message(report.to_wire(), payload),
+                timeout_s=self.config.request_timeout_s,
+            )
+        except (PeerFailure, RequestError) as e:
+            logger.info(
+                "report %s of %s to trainer %s was not delivered: %s", report.kind, report.mb_id, trainer, e
+            )
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -1,0 +1,282 @@
+"""Stage peers on loopback: micro-batches through a real route equal the whole model (sync, codec none).
+
+Each test starts a small driver (its own DHT as the bootstrap, P2P, ``serve(REPORT)``, publishes the
+spec) and in-process ``StagePeer`` objects, each with its own DHT; everything is shut down in
+``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from compression import decode_any, get_codec
+from peer import PeerConfig, StagePeer
+from peer.optimizer import StageOptimizer
+from peer.protocol import (
+    BACKWARD,
+    FORWARD,
+    INFO,
+    REPORT,
+    ForwardHeader,
+    Message,
+    Report,
+    call,
+    pack_tokens,
+    serve,
+)
+from swarm.errors import RequestError
+from swarm.membership import Membership
+from swarm.model import build_model, lm_loss
+from swarm.network import DHTConfig, start_dht, visible_maddrs
+from swarm.spec import RunSpec
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_spec(run_id: str, stages: int = 3, **optimizer) -> RunSpec:
+    opt = {"name": "adamw", "lr": 1e-2, "mode": "sync", "accumulate": 1, "clip_norm": 1.0} | optimizer
+    return RunSpec.from_dict(
+        {
+            "run_id": run_id,
+            "model": {"vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 16},
+            "stages": stages,
+            "codecs": {"activations": "none", "gradients": "none"},
+            "optimizer": opt,
+            "averaging": {"every_steps": 0},
+            "micro_batch_size": 2,
+            "stash_ttl_s": 30,
+        }
+    )
+
+
+class Driver:
+    """A minimal trainer: bootstrap DHT, spec publisher, report sink, and micro-batch sender."""
+
+    _ids = itertools.count()
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self.reports: asyncio.Queue[tuple[Report, bytes]] = asyncio.Queue()
+        self.dht = None
+        self.p2p = None
+
+    async def start(self) -> None:
+        self.dht = await asyncio.to_thread(start_dht, DHTConfig())
+        self.membership = Membership(self.dht, self.spec.run_id)
+        await asyncio.to_thread(self.membership.publish_spec, self.spec)
+        self.p2p = await self.dht.replicate_p2p()
+
+        async def on_report(message: Message, remote) -> dict:
+            await self.reports.put((Report.from_wire(message.header), message.payload))
+            return {}
+
+        await serve(self.p2p, REPORT, on_report)
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    def maddrs(self) -> tuple[str, ...]:
+        return tuple(visible_maddrs(self.dht))
+
+    async def shutdown(self) -> None:
+        if self.dht is not None:
+            await asyncio.to_thread(self.dht.shutdown)
+
+    def header(self, route, tokens, targets, mode="train") -> ForwardHeader:
+        return ForwardHeader(
+            run_id=self.spec.run_id,
+            spec_hash=self.spec.spec_hash,
+            mb_id=f"drv:{next(self._ids)}",
+            stage=0,
+            route=tuple(route),
+            trainer=self.peer_id,
+            mode=mode,
+            batch=tokens.shape[0],
+            seq=tokens.shape[1],
+            tokens=pack_tokens(tokens),
+            targets=b"" if targets is None else pack_tokens(targets),
+        )
+
+    async def send(self, route, tokens, targets, mode="train") -> str:
+        h = self.header(route, tokens, targets, mode)
+        await call(self.p2p, route[0], FORWARD, Message(h.to_wire()), timeout_s=10)
+        return h.mb_id
+
+    async def wait_reports(
+        self, mb_id: str, kinds: set[str], timeout_s: float = 20
+    ) -> dict[str, tuple[Report, bytes]]:
+        got: dict[str, tuple[Report, bytes]] = {}
+        async with asyncio.timeout(timeout_s):
+            while not kinds <= set(got):
+                report, payload = await self.reports.get()
+                assert report.kind != "failed", report.reason
+                if report.mb_id == mb_id:
+                    got[report.kind] = (report, payload)
+        return got
+
+
+def peer_config(driver: Driver, stage, **kw) -> PeerConfig:
+    base = dict(
+        initial_peers=driver.maddrs(),
+        run_id=driver.spec.run_id,
+        stage=stage,
+        device="cpu",
+        throughput=1000.0,
+        announce_period_s=0.5,
+        spec_timeout_s=10,
+        request_timeout_s=10,
+        state_timeout_s=10,
+        averaging_matchmaking_s=1.0,
+        drain_timeout_s=5,
+    )
+    return PeerConfig(**(base | kw))
+
+
+async def start_peers(driver: Driver, configs: list[PeerConfig], peers: list[StagePeer]) -> None:
+    for cfg in configs:
+        p = StagePeer(cfg)
+        peers.append(p)  # appended before start so `finally` shuts it down even if start fails
+        await p.start()
+
+
+async def stop_all(peers: list[StagePeer], driver: Driver) -> None:
+    for p in reversed(peers):
+        await p.shutdown()
+    await driver.shutdown()
+
+
+def _batch(seed: int, spec: RunSpec):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(
+        0, spec.model.vocab_size, (spec.micro_batch_size, spec.model.seq_len + 1), generator=g
+    )
+    return data[:, :-1], data[:, 1:]
+
+
+def test_three_stage_route_equals_whole_model(tmp_path):
+    spec = tiny_spec("pipe3")
+
+    async def main():
+        driver = Driver(spec)
+        peers: list[StagePeer] = []
+        try:
+            await driver.start()
+            # stage 0 measures its throughput for real (cached under tmp_path); the others declare it
+            configs = [peer_config(driver, 0, throughput=None, cache_dir=str(tmp_path))]
+            configs += [peer_config(driver, s) for s in (1, 2)]
+            await start_peers(driver, configs, peers)
+            assert peers[0].throughput > 0 and all(p.loaded_from == "seed" for p in peers)
+            route = [p.peer_id for p in peers]
+
+            ref = build_model(spec)
+            ref_opts = [StageOptimizer(dict(st.named_parameters()), spec.optimizer) for st in ref.stages]
+            for step in range(2):
+                tokens, targets = _batch(step, spec)
+                mb = await driver.send(route, tokens, targets)
+                got = await driver.wait_reports(mb, {"loss", "done"})
+                # reference: the whole model, one step per stage with the same optimizer rules
+                params = [dict(st.named_parameters()) for st in ref.stages]
+                loss = lm_loss(ref(tokens), targets)
+                loss.backward()
+                assert got["loss"][0].loss == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+                assert got["loss"][0].n_tokens == tokens.numel()
+                done = got["done"][0]
+                assert done.stage == 0 and done.stats["fwd_bytes_0"] > 0 and "bwd_compute_s_1" in done.stats
+                with torch.no_grad():
+                    for opt, ps in zip(ref_opts, params, strict=True):
+                        opt.accumulate({n: p.grad for n, p in ps.items()})
+                        new = opt.step()
+                        for n, p in ps.items():
+                            p.copy_(new[n])
+                            p.grad = None
+                await asyncio.sleep(0.2)  # the step happens right after each peer's backward
+                for s, peer in enumerate(peers):
+                    assert peer.version == step + 1
+                    for n, t in peer.compute.params().items():
+                        torch.testing.assert_close(t, params[s][n].detach(), rtol=1e-4, atol=1e-5)
+
+            # eval and generate run with the updated weights
+            tokens, targets = _batch(7, spec)
+            with torch.no_grad():
+                logits = ref(tokens)
+            mb = await driver.send(route, tokens, targets, mode="eval")
+            got = await driver.wait_reports(mb, {"result"})
+            assert got["result"][0].loss == pytest.approx(float(lm_loss(logits, targets)), rel=1e-5)
+            mb = await driver.send(route, tokens, None, mode="generate")
+            report, payload = (await driver.wait_reports(mb, {"result"}))["result"]
+            torch.testing.assert_close(decode_any(payload), logits[:, -1, :], rtol=1e-4, atol=1e-5)
+            assert all(len(p.compute.stash) == 0 for p in peers)
+
+            # INFO
+            info = await call(driver.p2p, route[1], INFO, Message({}), timeout_s=5)
+            assert info["stage"] == 1 and info["version"] == 2 and info["state"] == "online"
+        finally:
+            await stop_all(peers, driver)
+
+    asyncio.run(main())
+
+
+def test_refusals_and_failed_hop_reports():
+    spec = tiny_spec("refuse2", stages=2, mode="async")
+
+    async def main():
+        driver = Driver(spec)
+        peers: list[StagePeer] = []
+        try:
+            await driver.start()
+            await start_peers(driver, [peer_config(driver, 0), peer_config(driver, 1)], peers)
+            route = [p.peer_id for p in peers]
+            tokens, targets = _batch(0, spec)
+            act = get_codec("none")
+
+            async def fwd1(payload: bytes, **over):
+                h = driver.header(route, tokens, targets)
+                d = h.to_wire() | {"stage": 1} | over
+                return await call(driver.p2p, route[1], FORWARD, Message(d, payload), timeout_s=5)
+
+            good = act.encode(torch.zeros(2, 16, 32))
+            with pytest.raises(RequestError, match="shape"):
+                await fwd1(act.encode(torch.zeros(2, 16, 31)))
+            with pytest.raises(RequestError, match="NaN"):
+                await fwd1(act.encode(torch.full((2, 16, 32), float("nan"))))
+            with pytest.raises(RequestError, match="spec"):
+                await fwd1(good, spec_hash="0" * 16)
+            with pytest.raises(RequestError, match="stage"):
+                await fwd1(good, stage=0)
+            with pytest.raises(RequestError, match="decoded"):
+                await fwd1(b"garbage" * 10)
+            bad_tokens = tokens.clone()
+            bad_tokens[0, 0] = 64
+            with pytest.raises(RequestError, match="vocabulary"):
+                await driver.send(route, bad_tokens, targets)
+            bwd = {
+                "run_id": spec.run_id,
+                "spec_hash": spec.spec_hash,
+                "mb_id": "nope",
+                "stage": 0,
+                "sent_at": 0.0,
+            }
+            with pytest.raises(RequestError, match="no stashed forward"):
+                await call(driver.p2p, route[0], BACKWARD, Message(bwd, good), timeout_s=5)
+            assert peers[1].stats()["refused"] >= 5
+            assert peers[0].version == 0 and peers[1].version == 0  # refusals changed no weights
+
+            # a route whose stage 1 is a peer that does not serve stages: stage 0 reports the broken hop
+            bad_route = [route[0], driver.peer_id]
+            mb = await driver.send(bad_route, tokens, targets)
+            async with asyncio.timeout(15):
+                while True:
+                    report, _ = await driver.reports.get()
+                    if report.mb_id == mb:
+                        break
+            assert report.kind == "failed" and report.stage == 1 and report.peer == driver.peer_id
+            assert len(peers[0].compute.stash) == 0  # dropped with the failure
+        finally:
+            await stop_all(peers, driver)
+
+    asyncio.run(main())
