@@ -11,9 +11,12 @@ with probability proportional to its weight:
 
 - ``throughput`` (tokens/s) starts at what the peer announced in its record and then follows an
   exponential moving average of the service rate this trainer measured from the peer's own report
-  stats (:meth:`Router.on_success`). A peer announcing 0 (not measured yet) gets the median of its
-  stage-mates, so a newcomer is tried instead of starved. A peer 4x slower thus receives about 4x
-  fewer micro-batches while queues are empty.
+  stats (:meth:`Router.on_success`: tokens / (forward + backward compute seconds)). While the peer
+  also announces a figure, the lower of the two counts: the per-hop compute time misses costs only
+  the peer sees (an emulated straggler delay, contention outside the timed region), and the
+  announced figure misses slowdowns since it was measured. A peer announcing 0 (not measured yet)
+  gets the median of its stage-mates, so a newcomer is tried instead of starved. A peer 4x slower
+  thus receives about 4x fewer micro-batches while queues are empty.
 - ``queue`` is the longer of the queue the peer announced and the micro-batches this trainer has in
   flight through it, so a peer that is falling behind gets less new work (backpressure reaches the
   router, not memory).
@@ -83,11 +86,19 @@ class RoutingConfig:
     """Multiplier on the estimated compute time of a route; raise it if healthy routes time out."""
     min_bandwidth_bytes_s: float = 1e6
     """Slowest link speed (bytes/s) a deadline allows for; lower it for peers on very slow links."""
+    busy_backoff_s: float = 0.5
+    """Seconds a peer that refused work with a full queue is skipped (no failure is counted)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ema_alpha <= 1.0:
             raise ConfigError(f"routing ema_alpha = {self.ema_alpha} must lie in (0, 1]; use e.g. 0.3")
-        for name in ("backoff_base_s", "backoff_max_s", "default_throughput", "deadline_slack"):
+        for name in (
+            "backoff_base_s",
+            "backoff_max_s",
+            "default_throughput",
+            "deadline_slack",
+            "busy_backoff_s",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"routing {name} = {value} must be a positive finite number")
@@ -134,11 +145,13 @@ def _stage_fallback_throughput(records: Mapping[str, PeerInfo], config: RoutingC
 
 
 def _speed(record: PeerInfo, stats: PeerStats | None, fallback: float) -> float:
-    if stats is not None and stats.throughput is not None:
-        return stats.throughput
-    if record.throughput > 0 and math.isfinite(record.throughput):
-        return record.throughput
-    return fallback
+    announced = record.throughput if record.throughput > 0 and math.isfinite(record.throughput) else None
+    measured = stats.throughput if stats is not None else None
+    if measured is not None and announced is not None:
+        return min(measured, announced)  # see note "stochastic wiring": costs only the peer can see
+    if measured is not None:
+        return measured
+    return announced if announced is not None else fallback
 
 
 def peer_weight(record: PeerInfo, stats: PeerStats | None, *, fallback_throughput: float) -> float:
@@ -304,3 +317,9 @@ class Router:
         backoff = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (st.failures - 1))
         st.backoff_until = self._clock() + backoff
         return st.backoff_until
+
+    def on_busy(self, peer: str) -> None:
+        """``peer`` refused work because its queue is full: skip it briefly, count no failure."""
+        st = self._st(peer)
+        st.inflight = max(0, st.inflight - 1)
+        st.backoff_until = max(st.backoff_until, self._clock() + self.config.busy_backoff_s)

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from swarm.records import PeerRecord
     from swarm.spec import RunSpec
 
-__all__ = ["TrainerConfig", "Trainer", "SwarmLink", "service_seconds"]
+__all__ = ["TrainerConfig", "Trainer", "SwarmLink", "service_seconds", "classify_failure"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +176,40 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer_id={self.trainer_id!r} must be 1-64 characters starting with a letter or digit"
             )
+
+
+# Failure classes (note "failure classes"): what a failure says about the peer it names.
+#   unreachable, timeout, error -> the peer is suspect: exponential backoff (routing.Router.on_failure)
+#   busy                        -> its queue is full: a short pause, no failure counted
+#   version_evicted, stash_expired, refused -> about this micro-batch (staleness, a peer joining or
+#                                  leaving), not the peer's health: no backoff, the retry avoids it
+_BLAMED = frozenset({"unreachable", "timeout", "error"})
+
+
+def classify_failure(reason: str) -> str:
+    """Map a failure text (a ``PeerFailure.reason`` or a peer's ``failed`` report) to a short class."""
+    text = reason.lower()
+    if text in ("unreachable", "timeout", "busy", "refused", "version_evicted", "stash_expired", "error"):
+        return text
+    if text == "garbage":
+        return "error"
+    for needle, kind in (
+        ("busy", "busy"),
+        ("queue full", "busy"),
+        ("evicted", "version_evicted"),
+        ("stash expired", "stash_expired"),
+        ("timed out", "timeout"),
+        ("timeout", "timeout"),
+        (" refused swarmpipe.", "refused"),  # peer.protocol.call's text for a refusal reply
+        ("takes no new", "refused"),
+        ("failed:", "unreachable"),  # peer.protocol.call's text for a dead or unreachable peer
+        ("unreachable", "unreachable"),
+        ("closed", "unreachable"),
+        ("connection refused", "unreachable"),
+    ):
+        if needle in text:
+            return kind
+    return "error"
 
 
 def service_seconds(stats: dict[str, float], stage: int) -> float | None:
@@ -351,7 +385,7 @@ class Trainer:
     async def run(self) -> dict[str, Any]:
         """Run to the configured length and return the summary; everything is shut down in ``finally``."""
         cfg = self.config
-        self._say(f"trainer {self.trainer_id}: joining run {cfg.run_id!r} via {cfg.initial_peers[0]}")
+        self.say(f"trainer {self.trainer_id}: joining run {cfg.run_id!r} via {cfg.initial_peers[0]}")
         link = await SwarmLink.open(
             initial_peers=cfg.initial_peers,
             run_id=cfg.run_id,
@@ -435,7 +469,7 @@ class Trainer:
         finally:
             left = self.ledger.close_all(reason="shutdown" if not interrupted else "interrupted")
             if left:
-                self._say(f"{left} micro-batches still in flight or waiting were dropped at shutdown")
+                self.say(f"{left} micro-batches still in flight or waiting were dropped at shutdown")
             await self.tasks.close()
             self.ledger.check()
             with contextlib.suppress(PeerFailure):
@@ -555,9 +589,11 @@ class Trainer:
                 timeout_s=self.config.call_timeout_s,
             )
         except PeerFailure as e:
-            self._fail(attempt, reason=e.reason, stage=0, peer=attempt.route[0])
+            self._fail(
+                attempt, reason=classify_failure(e.reason), stage=0, peer=attempt.route[0], detail=str(e)
+            )
         except RequestError as e:
-            reason = "busy" if "busy" in str(e) else "refused"
+            reason = "busy" if classify_failure(str(e)) == "busy" else "refused"
             self._fail(attempt, reason=reason, stage=0, peer=attempt.route[0], detail=str(e))
         self.wake.set()
 
@@ -568,13 +604,13 @@ class Trainer:
         if now - self.last_wait_msg >= 30.0:
             self.last_wait_msg = now
             if e.reason == "empty":
-                self._say(
+                self.say(
                     f"waiting: stage {e.stage} of run {self.spec.run_id!r} has no online peer. Start one with:\n"
                     f"  swarm peer --initial-peers {self.config.initial_peers[0]} --run {self.spec.run_id} "
                     f"--stage {e.stage}"
                 )
             else:
-                self._say(f"waiting: {e}; training continues when one of them is back")
+                self.say(f"waiting: {e}; training continues when one of them is back")
         if self.config.stage_wait_s is not None and now - self.waiting_since > self.config.stage_wait_s:
             from swarm.errors import StageUnavailableError
 
@@ -588,7 +624,7 @@ class Trainer:
     def _stage_available(self, now: float) -> None:
         if self.waiting_since is not None:
             self._event("stage_available", waited_s=round(now - self.waiting_since, 2))
-            self._say(
+            self.say(
                 f"every stage has peers again after {now - self.waiting_since:.1f} s; training continues"
             )
             self.waiting_since = None
@@ -606,7 +642,11 @@ class Trainer:
         elif outcome.event == "failed":
             assert attempt is not None
             self._fail(
-                attempt, reason=report.reason or "failed", stage=report.stage, peer=report.peer or None
+                attempt,
+                reason=classify_failure(report.reason or "error"),
+                stage=report.stage,
+                peer=report.peer or None,
+                detail=report.reason,
             )
         elif outcome.event == "loss" and mb is not None and mb.state == "completed" and mb.kind == "train":
             if report.loss is not None and math.isfinite(report.loss):
@@ -632,7 +672,8 @@ class Trainer:
     def _fail(
         self, attempt: Attempt, *, reason: str, stage: int | None, peer: str | None, detail: str = ""
     ) -> None:
-        """Close a broken attempt: blame the failed peer (backoff), release the others, retry or drop."""
+        """Close a broken attempt: act on the peer it names (note "failure classes"), release the
+        others, then retry or drop the micro-batch."""
         blamed = peer if peer in attempt.route else None
         if blamed is None and stage is not None and 0 <= stage < len(attempt.route) and reason != "timeout":
             blamed = attempt.route[stage]
@@ -640,8 +681,10 @@ class Trainer:
         if decision == "stale":
             return
         for pid in attempt.route:
-            if pid == blamed:
+            if pid == blamed and reason in _BLAMED:
                 self.router.on_failure(pid)
+            elif pid == blamed and reason == "busy":
+                self.router.on_busy(pid)
             else:
                 self.router.release(pid)
         mb = self.ledger.micro_batches[attempt.index]
@@ -731,7 +774,7 @@ class Trainer:
         if self.writer is not None:
             self.writer.write(rec)
         if losses:
-            self._say(f"step {self.step}: held-out loss {rec['eval_loss']:.3f}")
+            self.say(f"step {self.step}: held-out loss {rec['eval_loss']:.3f}")
         self.eval_round = None
 
     # ---- background loops ------------------------------------------------------------------------
@@ -788,7 +831,8 @@ class Trainer:
             )
         )
 
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
+        """Print a line to the user without breaking the progress line (nothing when ``quiet``)."""
         if self.config.quiet:
             return
         progress = getattr(self, "progress", None)

@@ -62,11 +62,11 @@ def test_slower_peer_gets_proportionally_fewer_micro_batches():
     assert 3.6 < ratio < 4.4, counts
 
 
-def test_measured_throughput_overrides_announced_one():
+def test_measured_throughput_below_the_announced_one_counts():
     """Both announce the same speed; the trainer measured one 4x slower, so it gets ~4x less."""
     clock = FakeClock()
     router = Router(clock=clock, rng=random.Random(1), config=RoutingConfig(ema_alpha=1.0))
-    stages = [stage_of(rec("a"), rec("b"))]
+    stages = [stage_of(rec("a", throughput=1e6), rec("b", throughput=1e6))]
     router.observe_speed(pid("a"), 4000.0)
     router.observe_speed(pid("b"), 1000.0)
     counts = Counter()
@@ -76,6 +76,15 @@ def test_measured_throughput_overrides_announced_one():
         router.on_success(route[0])  # completes at once: queues stay empty
     ratio = counts[pid("a")] / counts[pid("b")]
     assert 3.6 < ratio < 4.4, counts
+
+
+def test_announced_throughput_below_the_measured_one_counts():
+    """A peer that announces it is slow (e.g. an emulated straggler) is believed."""
+    stats = {pid("slow"): PeerStats(throughput=5000.0), pid("fast"): PeerStats(throughput=5000.0)}
+    stages = [stage_of(rec("slow", throughput=1000.0), rec("fast", throughput=4000.0))]
+    rng = random.Random(5)
+    counts = Counter(choose_route(stages, stats, now=0.0, rng=rng)[0] for _ in range(8000))
+    assert 3.6 < counts[pid("fast")] / counts[pid("slow")] < 4.4
 
 
 def test_ema_moves_towards_new_measurements():
@@ -194,3 +203,14 @@ def test_config_is_checked():
         RoutingConfig(ema_alpha=0.0)
     with pytest.raises(ConfigError, match="backoff_max_s"):
         RoutingConfig(backoff_base_s=10.0, backoff_max_s=1.0)
+
+
+def test_busy_peer_is_skipped_briefly_without_a_failure():
+    clock = FakeClock()
+    router = Router(RoutingConfig(busy_backoff_s=0.5), clock=clock, rng=random.Random(0))
+    stages = [stage_of(rec("busy"), rec("free"))]
+    router.stats[pid("busy")] = PeerStats(inflight=1)
+    router.on_busy(pid("busy"))
+    st = router.stats[pid("busy")]
+    assert st.failures == 0 and st.inflight == 0 and st.backoff_until == pytest.approx(clock.t + 0.5)
+    assert all(router.route(stages)[0] == pid("free") for _ in range(50))

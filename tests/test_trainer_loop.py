@@ -23,7 +23,7 @@ from swarm.metrics import read_metrics
 from swarm.records import PeerRecord
 from swarm.routing import RoutingConfig
 from swarm.spec import RunSpec
-from swarm.trainer import Trainer, TrainerConfig, service_seconds
+from swarm.trainer import Trainer, TrainerConfig, classify_failure, service_seconds
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
@@ -282,3 +282,21 @@ def test_service_seconds_reads_per_stage_stats():
     assert service_seconds(stats, 1) == 0.75
     assert service_seconds(stats, 0) == 0.1
     assert service_seconds(stats, 2) is None
+
+
+@pytest.mark.parametrize(
+    "text, kind",
+    [
+        ("unreachable", "unreachable"),
+        ("swarmpipe.stage.forward to QmX failed: connection refused", "unreachable"),
+        ("QmX refused swarmpipe.stage.forward: this peer is joining and takes no new forwards", "refused"),
+        ("swarmpipe.stage.forward to QmX timed out after 30.0 s", "timeout"),
+        ("QmX refused swarmpipe.stage.forward: busy, queue full (64 tasks)", "busy"),
+        ("version evicted: weight version 3 of stage 1 is gone (max_versions=3)", "version_evicted"),
+        ("stash expired: no backward within 120 s", "stash_expired"),
+        ("swarmpipe.stage.backward to QmX failed: stream closed", "unreachable"),
+        ("something odd", "error"),
+    ],
+)
+def test_failure_texts_are_classified(text, kind):
+    assert classify_failure(text) == kind

@@ -1,0 +1,470 @@
+"""``swarm demo``: a whole swarm on this machine, training a small model, then shut down cleanly.
+
+    swarm demo                                   # 2 stages x 2 peers, examples/demo.yaml
+    swarm demo --stages 2 --peers-per-stage 2 --steps 100 --codec int8 --out runs/demo --chaos
+
+What runs (all on loopback):
+
+- a bootstrap node (in this process, ``swarm.bootstrap.Bootstrap``) that publishes the run spec;
+- ``stages x peers_per_stage`` stage peers, each a separate process (``python -m swarm.cli peer``)
+  in its own process group, its output in ``OUT/logs/``;
+- a trainer (in this process, ``swarm.trainer.Trainer``) writing ``OUT/metrics.jsonl``.
+
+With ``chaos`` one peer is killed with SIGKILL (its whole process group: the peer, its DHT process
+and its p2pd) a third of the way through, and a fresh peer is started for the same stage, so the
+summary shows micro-batches re-sent around the dead peer. At the end ``OUT/`` holds metrics.jsonl,
+loss.png, status.json (what ``swarm status`` would show) and summary.json.
+
+Shutdown (note "no leftovers"): in ``finally``, every peer group gets SIGTERM, then SIGKILL after
+``grace_s``; the bootstrap and trainer DHTs are shut down. SIGTERM to the demo itself is turned
+into ``KeyboardInterrupt`` so the same ``finally`` runs for Ctrl-C and for ``kill``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from swarm.errors import ConfigError, SwarmError
+
+__all__ = ["DemoConfig", "Demo", "PeerProcess", "demo_spec", "DEFAULT_DEMO_SPEC"]
+
+# The run `swarm demo` trains when examples/demo.yaml is not at hand (an installed package): the same
+# values as that file. Sized for 2 CPU cores: ~0.9M parameters, 1024 tokens per micro-batch.
+DEFAULT_DEMO_SPEC: dict[str, Any] = {
+    "run_id": "demo",
+    "seed": 0,
+    "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
+    "stages": 2,
+    "codecs": {"activations": "blockwise8", "gradients": "blockwise8"},
+    "optimizer": {"name": "adamw", "lr": 3e-3, "mode": "async"},
+    "averaging": {"every_steps": 10, "timeout_s": 20},
+    "micro_batch_size": 8,
+    "autocast": "auto",
+    "stash_ttl_s": 120,
+}
+
+_SERVING = re.compile(r"peer (\S+) serving stage (\d+) of run (\S+)")
+
+
+def _repo_example() -> Path | None:
+    """``examples/demo.yaml`` of a source checkout (next to the package), if present."""
+    for base in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        path = base / "examples" / "demo.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def demo_spec(*, spec_path: str | None = None, stages: int | None = None, codec: str | None = None):
+    """The demo's ``RunSpec``: ``spec_path``, else examples/demo.yaml, else :data:`DEFAULT_DEMO_SPEC`,
+    with ``stages`` / ``codec`` (both directions) overridden when given."""
+    import yaml
+
+    from swarm.spec import RunSpec
+
+    path = Path(spec_path) if spec_path else _repo_example()
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"--spec {spec_path!r} does not exist; omit it to use the built-in demo run")
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        RunSpec.from_yaml(path)  # full validation with the file's own error messages
+    else:
+        data = json.loads(json.dumps(DEFAULT_DEMO_SPEC))
+    if stages is not None:
+        data["stages"] = stages
+    if codec is not None:
+        data.setdefault("codecs", {})
+        data["codecs"] = {"activations": codec, "gradients": codec}
+    return RunSpec.from_dict(data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """What ``swarm demo`` starts; the CLI flags map 1:1."""
+
+    stages: int | None = None
+    """Pipeline stages (None = the spec's, 2 for the demo run)."""
+    peers_per_stage: int = 2
+    """Peer processes per stage (data parallel inside a stage)."""
+    steps: int = 150
+    """Trainer steps; the default finishes in a few minutes on 2 CPU cores with the loss clearly falling."""
+    codec: str | None = None
+    """Codec for activations and gradients (None = the spec's, blockwise8); see `swarm codecs`."""
+    out_dir: str = "runs/demo"
+    chaos: bool = False
+    """Kill one peer (SIGKILL) a third of the way through and start a fresh one."""
+    spec_path: str | None = None
+    """Run spec file (None = examples/demo.yaml when present, else the built-in demo run)."""
+    max_inflight: int | None = None
+    """Micro-batches in flight (None = 2 x stages x peers per stage)."""
+    eval_every: int | None = None
+    """Held-out loss every N steps (None = 4 evaluations over the run; 0 = never)."""
+    seed: int = 0
+    peer_args: tuple[str, ...] = ()
+    """Extra flags for every `swarm peer` process (e.g. ``("--throughput", "5000")``)."""
+    peer_args_by_index: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    """Extra flags for the peer with this start index (stage * peers_per_stage + j), e.g. a slowdown."""
+    start_timeout_s: float = 180.0
+    """How long the peers may take to come online (imports, weights, throughput measurement)."""
+    grace_s: float = 5.0
+    """Seconds between SIGTERM and SIGKILL at shutdown."""
+    torch_threads: int | None = None
+    """OMP/MKL threads per peer process (None = CPU count / number of peers, at least 1)."""
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stages is not None and (isinstance(self.stages, bool) or self.stages < 1):
+            raise ConfigError(f"--stages {self.stages!r} must be >= 1")
+        if isinstance(self.peers_per_stage, bool) or self.peers_per_stage < 1:
+            raise ConfigError(f"--peers-per-stage {self.peers_per_stage!r} must be >= 1")
+        if isinstance(self.steps, bool) or self.steps < 1:
+            raise ConfigError(f"--steps {self.steps!r} must be >= 1")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ConfigError(f"--max-inflight {self.max_inflight!r} must be >= 1")
+        if self.grace_s < 0 or self.start_timeout_s <= 0:
+            raise ConfigError("grace_s must be >= 0 and start_timeout_s > 0")
+
+
+@dataclass
+class PeerProcess:
+    """One `swarm peer` subprocess (its own process group, pgid = pid)."""
+
+    stage: int
+    index: int
+    popen: subprocess.Popen
+    log_path: Path
+    log_file: IO[bytes]
+    peer_id: str | None = None
+    killed: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+class Demo:
+    """Starts and owns a loopback swarm; :meth:`run` does everything and cleans up in ``finally``."""
+
+    def __init__(self, config: DemoConfig, *, out: IO[str] | None = None):
+        self.config = config
+        self.out = out if out is not None else sys.stdout
+        self.spec = demo_spec(spec_path=config.spec_path, stages=config.stages, codec=config.codec)
+        self.out_dir = Path(config.out_dir)
+        self.logs = self.out_dir / "logs"
+        self.peers: list[PeerProcess] = []
+        self.pgids: list[int] = []  # every process group this demo created (for the leftover check)
+        self.boot = None
+        self.maddr: str | None = None
+        self.trainer = None
+        self.chaos_log: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._boot_thread: threading.Thread | None = None
+
+    # ---- output ---------------------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        if not self.config.quiet:
+            print(text, file=self.out, flush=True)
+
+    # ---- the whole demo -------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Start everything, train, write OUT/, shut everything down. Returns the summary."""
+        os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+        cfg, spec = self.config, self.spec
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        previous = _sigterm_as_interrupt()
+        try:
+            self.say(
+                f"swarm demo: run {spec.run_id!r} ({spec.n_params() / 1e6:.2f}M parameters, {spec.num_stages} stages "
+                f"x {cfg.peers_per_stage} peers, codec {spec.codecs.activations}), {cfg.steps} steps, "
+                f"output in {self.out_dir}/"
+            )
+            self._start_bootstrap()
+            for stage in range(spec.num_stages):
+                for j in range(cfg.peers_per_stage):
+                    self._spawn_peer(stage, stage * cfg.peers_per_stage + j)
+            self._await_online(self.peers)
+            self.say(f"all {len(self.peers)} peers online after {time.monotonic() - t0:.1f} s; training")
+            summary = asyncio.run(self._train())
+            status = self._write_status()
+            summary = self._finish(summary, status, wall_s=time.monotonic() - t0)
+            return summary
+        finally:
+            self.shutdown()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    # ---- bootstrap ------------------------------------------------------------------------------
+
+    def _start_bootstrap(self) -> None:
+        from swarm.bootstrap import Bootstrap, BootstrapConfig
+
+        self.boot = Bootstrap(BootstrapConfig(spec=self.spec, status_interval_s=10.0)).start()
+        self.maddr = self.boot.maddrs[0]
+        log = open(self.logs / "bootstrap.log", "a", encoding="utf-8")  # noqa: SIM115 (closed by the thread)
+
+        def serve() -> None:
+            try:
+                self.boot.serve(self._stop, out=lambda line: (log.write(line + "\n"), log.flush()))
+            finally:
+                log.close()
+
+        self._boot_thread = threading.Thread(target=serve, name="demo-bootstrap", daemon=True)
+        self._boot_thread.start()
+        self.say(f"bootstrap: {self.maddr}")
+
+    # ---- peers ----------------------------------------------------------------------------------
+
+    def _peer_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        n_peers = self.spec.num_stages * self.config.peers_per_stage
+        threads = self.config.torch_threads or max(1, (os.cpu_count() or 1) // n_peers)
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        env.setdefault("MKL_NUM_THREADS", str(threads))
+        env.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _spawn_peer(self, stage: int, index: int, *, suffix: str = "") -> PeerProcess:
+        assert self.maddr is not None
+        cmd = [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "peer",
+            "--initial-peers",
+            self.maddr,
+            "--run",
+            self.spec.run_id,
+            "--stage",
+            str(stage),
+            *self.config.peer_args,
+            *self.config.peer_args_by_index.get(index, ()),
+        ]
+        log_path = self.logs / f"peer-s{stage}-{index}{suffix}.log"
+        log_file = open(log_path, "wb")  # noqa: SIM115 (closed in shutdown)
+        log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        log_file.flush()
+        popen = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self._peer_env(),
+            start_new_session=True,  # its own process group: SIGKILL reaches its DHT and p2pd too
+        )
+        proc = PeerProcess(stage=stage, index=index, popen=popen, log_path=log_path, log_file=log_file)
+        self.peers.append(proc)
+        self.pgids.append(popen.pid)
+        return proc
+
+    def _await_online(self, procs: list[PeerProcess]) -> None:
+        """Wait until each peer printed ``peer <id> serving stage <i> of run <run>``."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        waiting = [p for p in procs if p.peer_id is None]
+        while waiting:
+            for p in list(waiting):
+                match = None
+                with contextlib.suppress(OSError):
+                    match = _SERVING.search(p.log_path.read_text(errors="replace"))
+                if match:
+                    p.peer_id = match.group(1)
+                    waiting.remove(p)
+                    self.say(f"  stage {p.stage}: peer {p.peer_id} online (pid {p.pid}, log {p.log_path})")
+                elif p.popen.poll() is not None:
+                    raise SwarmError(
+                        f"peer process for stage {p.stage} exited with code {p.popen.returncode} before "
+                        f"coming online; its log {p.log_path} ends with:\n{p.log_tail()}"
+                    )
+            if waiting and time.monotonic() > deadline:
+                p = waiting[0]
+                raise SwarmError(
+                    f"{len(waiting)} peers did not come online within {self.config.start_timeout_s:.0f} s "
+                    f"(start_timeout_s); the log {p.log_path} ends with:\n{p.log_tail()}"
+                )
+            if waiting:
+                time.sleep(0.2)
+
+    # ---- training -------------------------------------------------------------------------------
+
+    async def _train(self) -> dict[str, Any]:
+        from swarm.trainer import Trainer, TrainerConfig
+
+        cfg = self.config
+        n_peers = self.spec.num_stages * cfg.peers_per_stage
+        eval_every = cfg.eval_every if cfg.eval_every is not None else max(1, cfg.steps // 4)
+        self.trainer = Trainer(
+            TrainerConfig(
+                initial_peers=(self.maddr,),
+                run_id=self.spec.run_id,
+                steps=cfg.steps,
+                max_inflight=cfg.max_inflight or 2 * n_peers,
+                out_dir=str(self.out_dir),
+                eval_every=eval_every,
+                seed=cfg.seed,
+                trainer_id="demo-trainer",
+                quiet=cfg.quiet,
+            ),
+            out=self.out,
+        )
+        train = asyncio.get_running_loop().create_task(self.trainer.run())
+        chaos = asyncio.get_running_loop().create_task(self._chaos()) if cfg.chaos else None
+        try:
+            return await train
+        finally:
+            if chaos is not None:
+                chaos.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await chaos
+
+    async def _chaos(self) -> None:
+        """A third of the way in, SIGKILL one peer (prefer a stage with a stage-mate) and start a fresh one."""
+        target_step = max(1, self.config.steps // 3)
+        while getattr(self.trainer, "step", 0) < target_step:
+            await asyncio.sleep(0.2)
+        live = [p for p in self.peers if not p.killed and p.popen.poll() is None]
+        by_stage: dict[int, list[PeerProcess]] = {}
+        for p in live:
+            by_stage.setdefault(p.stage, []).append(p)
+        crowded = [ps for ps in by_stage.values() if len(ps) > 1]
+        victim = (crowded[-1] if crowded else live)[-1]
+        inflight = self.trainer.ledger.inflight() if self.trainer is not None else 0
+        _kill_group(victim.pid, signal.SIGKILL)
+        victim.killed = True
+        await asyncio.to_thread(victim.popen.wait)
+        event = {
+            "time": time.time(),
+            "step": self.trainer.step,
+            "killed_peer": victim.peer_id,
+            "stage": victim.stage,
+            "pid": victim.pid,
+            "inflight_at_kill": inflight,
+        }
+        self.trainer.say(
+            f"chaos: killed peer {victim.peer_id} (stage {victim.stage}, pid {victim.pid}) with SIGKILL at step "
+            f"{event['step']} with {inflight} micro-batches in flight; starting a fresh peer"
+        )
+        fresh = self._spawn_peer(victim.stage, victim.index, suffix="-fresh")
+        await asyncio.to_thread(self._await_online, [fresh])
+        event["fresh_peer"] = fresh.peer_id
+        self.chaos_log.append(event)
+        self.trainer.say(f"chaos: fresh peer {fresh.peer_id} serves stage {fresh.stage}")
+
+    # ---- results --------------------------------------------------------------------------------
+
+    def _write_status(self) -> dict[str, Any]:
+        from swarm.status import gather_run_status
+
+        status: dict[str, Any] = {}
+        if self.boot is not None and self.boot.membership is not None:
+            try:
+                status = gather_run_status(self.boot.membership, spec_timeout_s=5.0).to_json()
+            except SwarmError as e:
+                status = {"error": str(e)}
+        (self.out_dir / "status.json").write_text(json.dumps(status, indent=2, sort_keys=True) + "\n")
+        return status
+
+    def _finish(self, summary: dict[str, Any], status: dict[str, Any], *, wall_s: float) -> dict[str, Any]:
+        summary = dict(summary)
+        summary["demo"] = {
+            "wall_s": round(wall_s, 1),
+            "stages": self.spec.num_stages,
+            "peers_per_stage": self.config.peers_per_stage,
+            "steps": self.config.steps,
+            "chaos": self.chaos_log,
+            "peers": [
+                {
+                    "stage": p.stage,
+                    "peer_id": p.peer_id,
+                    "pid": p.pid,
+                    "log": str(p.log_path),
+                    "killed": p.killed,
+                    "micro_batches": summary.get("peers_by_stage", {})
+                    .get(str(p.stage), {})
+                    .get(p.peer_id or "", 0),
+                }
+                for p in self.peers
+            ],
+        }
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        self.say(f"demo finished in {wall_s:.1f} s (start-up included). Peers:")
+        for p in summary["demo"]["peers"]:
+            note = " (killed by chaos)" if p["killed"] else ""
+            self.say(f"  stage {p['stage']}: {p['peer_id']} served {p['micro_batches']} micro-batches{note}")
+        self.say(f"files: {self.out_dir}/metrics.jsonl loss.png status.json summary.json logs/")
+        return summary
+
+    # ---- shutdown -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """SIGTERM every peer group, SIGKILL what is left after ``grace_s``; stop the bootstrap."""
+        live = [p for p in self.peers if p.popen.poll() is None]
+        for p in live:
+            _kill_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.grace_s
+        for p in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for pgid in self.pgids:  # the whole group: DHT children and p2pd outlive a killed parent
+            _kill_group(pgid, signal.SIGKILL)
+        for p in self.peers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=5.0)
+            p.log_file.close()
+        self._stop.set()
+        if self._boot_thread is not None:
+            self._boot_thread.join(timeout=15.0)
+        if self.boot is not None:
+            self.boot.close()
+
+    def leftovers(self) -> list[int]:
+        """Process groups of this demo that still have members (empty after :meth:`shutdown`)."""
+        alive = []
+        for pgid in self.pgids:
+            try:
+                os.killpg(pgid, 0)
+                alive.append(pgid)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                alive.append(pgid)
+        return alive
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _sigterm_as_interrupt():
+    """Make SIGTERM raise KeyboardInterrupt in the main thread (so ``finally`` cleans up)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, handler)
