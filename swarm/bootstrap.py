@@ -82,11 +82,26 @@ class Bootstrap:
         try:
             spec = self.cfg.spec
             self.membership = Membership(self.dht, spec.run_id if spec else None)
+            if spec is not None:
+                self._refuse_taken_run_id(spec)
             self.refresh()
         except BaseException:
             self.close()
             raise
         return self
+
+    def _refuse_taken_run_id(self, spec: RunSpec) -> None:
+        """In an existing swarm, a run id already listed with another spec belongs to someone else."""
+        _, membership = self._require()
+        taken = [
+            e for e in membership.list_runs() if e.run_id == spec.run_id and e.spec_hash != spec.spec_hash
+        ]
+        if taken:
+            raise ConfigError(
+                f"run id {spec.run_id!r} is already used in this swarm by {taken[0].owner} with spec "
+                f"{taken[0].spec_hash} (yours is {spec.spec_hash}); choose another run_id in the spec file, "
+                "or join that run with `swarm peer --run ...` instead of starting it again"
+            )
 
     def close(self) -> None:
         """Shut the DHT node down (its records expire by themselves). Idempotent."""

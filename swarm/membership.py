@@ -99,7 +99,8 @@ class _Shared:
     """State shared by the Membership objects of one DHT: the lock and the rejection counters."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # serialises DHT calls
+        self.counter_lock = threading.Lock()  # readers count rejections after the DHT call returned
         self.rejected = 0
         self.reasons: collections.Counter[str] = collections.Counter()
         self.runs_with_schema: set[str] = set()
@@ -209,8 +210,9 @@ class Membership:
         return out
 
     def _reject(self, reason: str) -> None:
-        self._shared.rejected += 1
-        self._shared.reasons[reason] += 1
+        with self._shared.counter_lock:
+            self._shared.rejected += 1
+            self._shared.reasons[reason] += 1
         logger.debug("dropped a DHT record: %s", reason)
 
     def _parse(self, items: Mapping[Any, Any], parse: Callable[[Any, Any], T]) -> list[T]:

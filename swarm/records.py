@@ -14,7 +14,7 @@ Keys (all strings; ``<run>`` is the run id)::
 Why this scheme: hivemind keys may be any msgpack value (they are hashed into DHT ids), but
 ``SchemaValidator`` can only check keys spelled ``<prefix>_<field>``, so every key here has that
 shape (prefix ``swarmpipe`` for the registry, ``swarmpipe_<run>`` for a run). Run ids are limited
-to ``[A-Za-z0-9][A-Za-z0-9_-]{0,63}``: no '.', because hivemind averager prefixes built from the run
+to ``[A-Za-z0-9_-]{1,64}`` (the rule of ``RunSpec.run_id``): no '.', because hivemind averager prefixes built from the run
 id must not contain one, and no separator surprises in keys.
 
 Subkeys are *owner markers*: the ``[owner:ssh-rsa ...]`` bytes of hivemind's
@@ -88,7 +88,7 @@ PEER_STATES = ("joining", "online", "leaving")
 ACTIVE_STATES = frozenset({"joining", "online"})
 PeerState = Literal["joining", "online", "leaving"]
 
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the rule of RunSpec.run_id (swarm/spec.py)
 _LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
 _SPEC_HASH_RE = re.compile(r"[0-9a-f]{16}")
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58
@@ -106,8 +106,8 @@ def check_run_id(run_id: object) -> str:
     """Return ``run_id`` if it can name DHT keys, else raise ``ConfigError`` (see module docstring)."""
     if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
         raise ConfigError(
-            f"run id {run_id!r} cannot name DHT keys: use 1 to 64 characters from A-Z a-z 0-9 _ -, "
-            "starting with a letter or digit (no '.'), e.g. 'tiny-run_1'"
+            f"run id {run_id!r} cannot name DHT keys: use 1 to 64 characters from A-Z a-z 0-9 _ - "
+            "(no '.', no spaces), e.g. 'tiny-run_1'"
         )
     return run_id
 
@@ -366,6 +366,7 @@ class RunEntry:
     run_id: str
     spec_hash: str
     num_stages: int
+    n_params: int  # parameters of the whole model (RunSpec.n_params())
     n_layers: int
     d_model: int
     peers: int  # active stage peers the publisher saw when it last refreshed the entry
@@ -385,6 +386,7 @@ class RunEntry:
             "run_id": _str(d, "run_id", _RUN_ID_RE),
             "spec_hash": _str(d, "spec_hash", _SPEC_HASH_RE),
             "num_stages": _count(d, "num_stages"),
+            "n_params": _count(d, "n_params"),
             "n_layers": _count(d, "n_layers"),
             "d_model": _count(d, "d_model"),
             "peers": _count(d, "peers"),
