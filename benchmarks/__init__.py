@@ -1,5 +1,7 @@
-"""Benchmarks (not tests): each module runs with ``python -m benchmarks.NAME`` and writes
-``benchmarks/results/NAME.json`` plus its section of ``BENCHMARKS.md``.
+"""Benchmarks (not tests): each runs with ``python -m benchmarks.NAME``, writes its JSON under
+``benchmarks/results/`` and its own section of ``BENCHMARKS.md`` (machine, exact command, table, reading).
 
-- ``codecs.py``: every codec of ``compression`` vs hivemind's own codecs on activation-shaped tensors.
+- ``codecs.py``: every codec of ``compression`` vs hivemind's codecs on activation-shaped tensors.
+- ``netlab.py``: network namespaces with rate-limited links, so benchmarks can run over slow links.
+- ``pipelining_baseline.py``: ``torch.distributed.pipelining`` over gloo, the baseline to beat.
 """

@@ -61,7 +61,9 @@ def test_round_trip_shapes_and_dtypes(spec, dtype):
     gen = torch.Generator().manual_seed(1)
     for shape in SHAPES:
         x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+        before = x.clone()
         data = codec.encode(x, stream=("peer", 0, "act"))
+        assert torch.equal(x, before), "encode must not modify its input"
         assert isinstance(data, bytes)
         for y in (codec.decode(data), decode_any(data)):
             assert y.shape == x.shape and y.dtype == dtype and y.device.type == "cpu"
