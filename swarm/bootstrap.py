@@ -127,7 +127,7 @@ class Bootstrap:
         """This node's addresses for ``--initial-peers``, best first (announced, then non-loopback)."""
         dht, _ = self._require()
         found = visible_maddrs(dht)
-        announced = [m for m in found if any(m.startswith(a) for a in self.cfg.dht.announce_maddrs)]
+        announced = [m for m in found if any(m.startswith(a + "/") for a in self.cfg.dht.announce_maddrs)]
         remote = [m for m in found if m not in announced and not m.startswith(("/ip4/127.", "/ip6/::1/"))]
         return announced + remote + [m for m in found if m not in announced and m not in remote]
 

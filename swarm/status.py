@@ -121,8 +121,9 @@ def _entry_json(e: RunEntry) -> dict[str, Any]:
 def gather_run_status(membership: Membership, *, spec_timeout_s: float = 5.0) -> RunStatus:
     """Read everything ``swarm status`` shows about ``membership.run_id``.
 
-    The stage count comes from the run's spec (hash-checked); if no spec can be fetched in
-    ``spec_timeout_s``, from the run's registry entry; if neither exists, ``ConfigError``.
+    The stage count comes from the run's spec (hash-checked, fetched once per ``membership``); if
+    no spec can be fetched in ``spec_timeout_s``, from the run's registry entry; if neither exists,
+    ``ConfigError``.
     """
     run_id = membership.run_id
     if run_id is None:
@@ -130,7 +131,12 @@ def gather_run_status(membership: Membership, *, spec_timeout_s: float = 5.0) ->
     entries = tuple(e for e in membership.list_runs() if e.run_id == run_id)
     notes: list[str] = []
     try:
-        spec = membership.fetch_spec(timeout_s=spec_timeout_s)
+        # A spec never changes under its hash: once fetched, keep it (status survives the owner's exit).
+        spec = (
+            membership.spec
+            if membership.spec is not None
+            else membership.fetch_spec(timeout_s=spec_timeout_s)
+        )
         num_stages, layers = spec.num_stages, [spec.stage_layers(s) for s in range(spec.num_stages)]
         spec_found = True
     except ConfigError:

@@ -27,6 +27,7 @@ def test_parse_maddrs_accepts_lists_commas_and_spaces():
         f"/dns4/boot.example.org/tcp/31337/p2p/{PEER}",
     )
     assert parse_maddrs([], what="x") == ()
+    assert parse_maddrs(INITIAL_PEER_EXAMPLE) == (INITIAL_PEER_EXAMPLE,)  # the example we show is valid
     assert parse_maddrs("/ip4/0.0.0.0/tcp/31337", require_peer_id=False) == ("/ip4/0.0.0.0/tcp/31337",)
 
 
