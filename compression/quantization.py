@@ -217,6 +217,12 @@ _CODES4 = {"normal": 0, "uniform": 1}
 _GRID = 4096  # cells of the lookup grid over [-1, 1]
 
 
+def _lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``table[idx]`` for int64 ``idx`` of any shape. index_select, not take: take runs a parallel loop
+    even on small inputs and stalls for milliseconds when the machine's cores are busy."""
+    return table.index_select(0, idx.reshape(-1)).view(idx.shape)
+
+
 @lru_cache(maxsize=4)
 def _code4(code_id: int) -> torch.Tensor:
     return normal_code4() if code_id == 0 else uniform_code4()
@@ -291,13 +297,15 @@ class Blockwise4Codec(_Blockwise):
         if self.sr:
             cell = (v + 1.0).mul_(_GRID / 2).floor_().clamp_(0, _GRID).long()
             top = len(levels) - 2
-            lo = below.take(cell).clamp_(max=top)  # largest code point <= the cell's left edge
-            lo = lo.add_((v >= levels.take(lo + 1)).long()).clamp_(max=top)  # a code point inside the cell
-            c_lo, c_hi = levels.take(lo), levels.take(lo + 1)
+            lo = _lookup(below, cell).clamp_(max=top)  # largest code point <= the cell's left edge
+            lo = lo.add_((v >= _lookup(levels, lo + 1)).long()).clamp_(
+                max=top
+            )  # a code point inside the cell
+            c_lo, c_hi = _lookup(levels, lo), _lookup(levels, lo + 1)
             p = (v - c_lo).div_(c_hi - c_lo)
             idx = lo.add_((self._uniform(p) < p).long())
         else:
-            idx = nearest.take((v + 1.0).mul_(_GRID / 2).round_().long())
+            idx = _lookup(nearest, (v + 1.0).mul_(_GRID / 2).round_().long())
         idx = idx.to(torch.uint8).view(-1, 2)  # block is even, so pairs never straddle blocks
         packed = (idx[:, 0] | (idx[:, 1] << 4)).contiguous()[: (n + 1) // 2]
         return {"block": self.block, "code": code_id}, [tensor_bytes(absmax), tensor_bytes(packed)]
@@ -318,5 +326,5 @@ class Blockwise4Codec(_Blockwise):
         if pad:
             packed = F.pad(packed, (0, pad))
         idx = torch.stack([packed & 15, packed >> 4], dim=1).view(-1).to(torch.int64)
-        vals = _code4(code_id).take(idx)
+        vals = _lookup(_code4(code_id), idx)
         return vals.view(nb, block).mul_(absmax.view(nb, 1)).view(-1)[:n]
