@@ -13,6 +13,12 @@ on how the layers are split into stages, and a peer that starts a stage from scr
 every other peer that does. Parameter names use the global layer index (``layers.5.attn.qkv.weight``)
 so state dicts move between different stage splits unchanged.
 
+Subspace-constrained models (``model.subspace`` in the spec, see swarm/subspace.py): every module that
+writes into the residual stream before the last stage boundary (token embedding, attention output and
+SwiGLU down projections of the layers in ``spec.constrained_layers``) is reparametrised as W = U A
+with the fixed, seed-derived orthonormal basis U (d x k) and a trainable A (k x in), and the token
+embedding becomes E_fix[t] + U A_emb[t] with a fixed random E_fix. See Note [subspace reparametrisation].
+
 Try it::
 
     python -c "from swarm.spec import RunSpec; from swarm.model import build_model; \
@@ -34,6 +40,8 @@ from swarm.spec import ModelConfig, RunSpec
 
 __all__ = [
     "StageModule",
+    "SubspaceLinear",
+    "SubspaceEmbedding",
     "SwarmModel",
     "build_stage",
     "build_model",
@@ -90,12 +98,62 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+# Note [subspace reparametrisation]: a constrained projection stores only A (k x in, the parameter
+# ``coef``) and computes U (A x), so W = U A lies in span(U) for every value A can take. The stage's
+# optimizer steps A like any other parameter and needs to know nothing: projecting W <- U U^T W
+# after each step would instead need a hook in every optimizer, in weight averaging and in state
+# loading (a peer that loaded or averaged weights without projecting would silently break the
+# boundary's exactness). Reparametrising also makes the projection cheaper (in*k + k*d multiply-adds
+# instead of in*d) and the stage smaller. U and E_fix are non-persistent buffers: a pure function of
+# the spec (swarm/subspace.py), so they stay out of state dicts and of what peers send each other.
+
+
+class SubspaceLinear(nn.Module):
+    """A bias-free linear map ``in_features -> d`` whose weight is U A: it writes only into span(U)."""
+
+    def __init__(self, in_features: int, d_model: int, rank: int):
+        super().__init__()
+        self.in_features, self.d_model, self.rank = in_features, d_model, rank
+        self.coef = nn.Parameter(torch.empty(rank, in_features))  # A (k, in)
+        self.register_buffer("basis", torch.empty(d_model, rank), persistent=False)  # U (d, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., d)
+        return F.linear(F.linear(x, self.coef), self.basis)  # U (A x), never forming U A
+
+    def weight(self) -> torch.Tensor:
+        """The effective (d, in) weight U A (for inspection and tests; forward never builds it)."""
+        return self.basis @ self.coef
+
+
+class SubspaceEmbedding(nn.Module):
+    """Token embedding E_fix[t] + U A[t]: a fixed full-rank part plus a trained part inside span(U).
+
+    The fixed part keeps tokens distinguishable in all d dimensions although only k are trained, and
+    the receiver of a boundary can rebuild it from the token ids alone.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, rank: int):
+        super().__init__()
+        self.vocab_size, self.d_model, self.rank = vocab_size, d_model, rank
+        self.coef = nn.Parameter(torch.empty(vocab_size, rank))  # A (V, k)
+        self.register_buffer("basis", torch.empty(d_model, rank), persistent=False)  # U (d, k)
+        self.register_buffer("fixed", torch.empty(vocab_size, d_model), persistent=False)  # E_fix (V, d)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
+        trained = F.linear(F.embedding(tokens, self.coef), self.basis)  # (B, T, k) -> (B, T, C)
+        return F.embedding(tokens, self.fixed).to(trained.dtype) + trained
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rank: int | None = None):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.proj: nn.Module = (
+            nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+            if rank is None
+            else SubspaceLinear(cfg.d_model, cfg.d_model, rank)
+        )
 
     def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         b, t, c = x.shape  # (B, T, C)
@@ -107,26 +165,30 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rank: int | None = None):
         super().__init__()
         hidden = cfg.ffn_hidden_size
         self.gate = nn.Linear(cfg.d_model, hidden, bias=False)
         self.up = nn.Linear(cfg.d_model, hidden, bias=False)
-        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+        self.down: nn.Module = (
+            nn.Linear(hidden, cfg.d_model, bias=False)
+            if rank is None
+            else SubspaceLinear(hidden, cfg.d_model, rank)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block."""
+    """One pre-norm transformer block; with ``rank`` set, both residual writes stay in span(U)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rank: int | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, rank)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg)
+        self.ffn = SwiGLU(cfg, rank)
 
     def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         x = x + self.attn(self.attn_norm(x), rotary)
@@ -178,10 +240,26 @@ def _init_(module: nn.Module, seed: int, *, residual_std: float) -> None:
     Norm weights start at 1; matrices get std 0.02 (see Note [portable init]), except residual-branch
     output projections (attention ``proj``, SwiGLU ``down``), which use ``residual_std`` so the
     residual stream's variance does not grow with depth (GPT-2's 1/sqrt(2 * n_layers)).
+
+    Subspace modules draw as many values as their unconstrained counterparts and keep a slice, so
+    every other parameter of a constrained layer gets exactly the values it has in the ordinary
+    model (same generator stream). A constrained projection keeps k of the d rows with std scaled by
+    sqrt(d / k): ||U A x|| = ||A x||, so the branch writes as much into the residual stream as the
+    full projection would (only in fewer directions). The trained embedding part keeps k of the d
+    columns at the usual std: the fixed part E_fix already gives the embedding its full size.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in module.named_parameters():
-        if p.dim() == 1:  # RMSNorm weight
+        owner = module.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, SubspaceLinear):
+            full = torch.empty(owner.d_model, owner.in_features)
+            _fill_bell_(full, residual_std * math.sqrt(owner.d_model / owner.rank), gen)
+            p.copy_(full[: owner.rank])
+        elif isinstance(owner, SubspaceEmbedding):
+            full = torch.empty(owner.vocab_size, owner.d_model)
+            _fill_bell_(full, INIT_STD, gen)
+            p.copy_(full[:, : owner.rank])
+        elif p.dim() == 1:  # RMSNorm weight
             p.fill_(1.0)
         elif name.endswith(("attn.proj.weight", "ffn.down.weight")):
             _fill_bell_(p, residual_std, gen)
@@ -189,12 +267,26 @@ def _init_(module: nn.Module, seed: int, *, residual_std: float) -> None:
             _fill_bell_(p, INIT_STD, gen)
 
 
-def _seeded(factory: Callable[[], nn.Module], seed: int, residual_std: float) -> nn.Module:
-    """``factory()`` built on the meta device, allocated on CPU, then initialised from ``seed``."""
+def _seeded(
+    factory: Callable[[], nn.Module],
+    seed: int,
+    residual_std: float,
+    subspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> nn.Module:
+    """``factory()`` built on the meta device, allocated on CPU, then initialised from ``seed``.
+
+    ``subspace``: the run's ``(U, E_fix)``, copied into the buffers of any subspace module.
+    """
     with torch.device("meta"):
         module = factory()
     module = module.to_empty(device="cpu")
     _init_(module, seed, residual_std=residual_std)
+    for m in module.modules():
+        if isinstance(m, (SubspaceLinear, SubspaceEmbedding)):
+            assert subspace is not None, "a subspace module needs the run's basis"
+            m.basis = subspace[0].clone()
+            if isinstance(m, SubspaceEmbedding):
+                m.fixed = subspace[1].clone()
     return module
 
 
@@ -224,19 +316,33 @@ class StageModule(nn.Module):
         # nn.Linear's default init would advance), then allocated on CPU and drawn from their seeds.
         std = INIT_STD / math.sqrt(2 * cfg.n_layers)
         seed = spec.seed
-        self.embed = (
-            _seeded(lambda: nn.Embedding(cfg.vocab_size, cfg.d_model), derive_seed(seed, "embed"), std)
-            if self.is_first
-            else None
-        )
+        rank = cfg.subspace_rank
+        self.constrained_layers = spec.constrained_layers
+        c_first, c_end = self.constrained_layers
+        needs_subspace = rank is not None and (self.is_first or self.first_layer < c_end)
+        subspace = _subspace_tensors(spec) if needs_subspace else None
+        if not self.is_first:
+            self.embed = None
+        elif rank is None:
+            self.embed = _seeded(
+                lambda: nn.Embedding(cfg.vocab_size, cfg.d_model), derive_seed(seed, "embed"), std
+            )
+        else:
+            self.embed = _seeded(
+                lambda: SubspaceEmbedding(cfg.vocab_size, cfg.d_model, rank),
+                derive_seed(seed, "embed"),
+                std,
+                subspace,
+            )
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+
+        def block(i: int) -> nn.Module:
+            constrained = rank is not None and c_first <= i < c_end
+            factory = (lambda: Block(cfg, rank)) if constrained else (lambda: Block(cfg))
+            return _seeded(factory, derive_seed(seed, "layer", i), std, subspace if constrained else None)
+
         # Keyed by the global layer index so names do not depend on the stage split.
-        self.layers = nn.ModuleDict(
-            {
-                str(i): _seeded(lambda: Block(cfg), derive_seed(seed, "layer", i), std)
-                for i in range(self.first_layer, self.end_layer)
-            }
-        )
+        self.layers = nn.ModuleDict({str(i): block(i) for i in range(self.first_layer, self.end_layer)})
         # RMSNorm weights start at 1 and draw nothing, so the seed is irrelevant.
         self.norm = _seeded(lambda: RMSNorm(cfg.d_model, cfg.norm_eps), 0, std) if self.is_last else None
         self.head = (
@@ -301,6 +407,13 @@ class SwarmModel(nn.Module):
         for stage in self.stages:
             x = stage(x)
         return x
+
+
+def _subspace_tensors(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's (U, E_fix), built where every peer builds them (swarm/subspace.py)."""
+    from swarm.subspace import fixed_embedding, subspace_basis  # imported here: subspace imports model
+
+    return subspace_basis(spec), fixed_embedding(spec)
 
 
 def build_stage(spec: RunSpec, stage: int, *, device: torch.device | str | None = None) -> StageModule:

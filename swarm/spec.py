@@ -8,7 +8,8 @@ Layout of a spec (YAML or dict)::
 
     run_id: tiny                     # 1-64 chars of [A-Za-z0-9_-]
     seed: 0                          # every weight is derived from it (see swarm/model.py)
-    model: {vocab_size, d_model, n_layers, n_heads, seq_len, ffn_hidden?, rope_theta?, norm_eps?}
+    model: {vocab_size, d_model, n_layers, n_heads, seq_len, ffn_hidden?, rope_theta?, norm_eps?,
+            subspace?: {rank: k} or {ratio: r}}   # see swarm/subspace.py
     stages: 2                        # or explicit half-open layer ranges: [[0, 3], [3, 8]]
     codecs: {activations: blockwise8, gradients: blockwise8}
     optimizer: {name?, lr?, schedule?, warmup_steps?, total_steps?, min_lr_ratio?, weight_decay?,
@@ -46,6 +47,7 @@ from swarm.errors import ConfigError
 __all__ = [
     "RunSpec",
     "ModelConfig",
+    "SubspaceConfig",
     "CodecsConfig",
     "OptimizerConfig",
     "AveragingConfig",
@@ -142,6 +144,12 @@ def _check_bool(path: str, value: Any) -> bool:
     return value
 
 
+# Field metadata key: a field whose value is None is left out of ``to_dict`` (and so of the canonical
+# bytes and the hash). Used for options added after runs existed, so that a spec that does not use
+# the option keeps the hash it had before the option was added.
+_OMIT_IF_NONE = "omit_if_none"
+
+
 def _set(obj: Any, name: str, value: Any) -> None:
     """Store a normalised value on a frozen dataclass during ``__post_init__`` (and only then)."""
     object.__setattr__(obj, name, value)
@@ -178,6 +186,46 @@ def split_layers(n_layers: int, n_stages: int) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SubspaceConfig:
+    """Subspace-constrained model ("Protocol Models", arXiv 2506.01260): see swarm/subspace.py.
+
+    Every layer before the last stage boundary writes into the residual stream only inside a fixed,
+    seed-derived k-dimensional subspace, so each boundary sends k numbers per token instead of d_model
+    and reconstructs the hidden state exactly. Give exactly one of ``rank`` and ``ratio``.
+    """
+
+    _SECTION: ClassVar[str] = "model.subspace"
+
+    rank: int | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """k, the subspace dimension: numbers sent per token at a boundary (1 <= k <= model.d_model)."""
+    ratio: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """Alternative to rank: k = floor(model.d_model / ratio), e.g. ratio 32 sends 1/32 of the width."""
+
+    def __post_init__(self) -> None:
+        s = self._SECTION
+        hint = f"Give {s}.rank (numbers per token, e.g. 16) or {s}.ratio (e.g. 32 for k = d_model / 32)."
+        if (self.rank is None) == (self.ratio is None):
+            raise _reject(
+                s,
+                {"rank": self.rank, "ratio": self.ratio},
+                "exactly one of rank and ratio must be given",
+                hint + " To train without the constraint, leave model.subspace out.",
+            )
+        if self.rank is not None:
+            _check_int(f"{s}.rank", self.rank, lo=1, hi=MAX_D_MODEL, hint=hint)
+        else:
+            _set(self, "ratio", _check_float(f"{s}.ratio", self.ratio, ge=1.0, hint=hint))
+
+    def resolve_rank(self, d_model: int) -> int:
+        """The subspace dimension k for a residual stream of width ``d_model`` (not validated here)."""
+        if self.rank is not None:
+            return self.rank
+        assert self.ratio is not None  # exactly one is set, enforced in __post_init__
+        # True division is correctly rounded, so 256 / 2.56 is 100.0 (``256 // 2.56`` would be 99).
+        return math.floor(d_model / self.ratio)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A GPT/Llama-style decoder: RMSNorm, RoPE, SwiGLU, pre-norm residual blocks, no biases."""
 
@@ -199,6 +247,9 @@ class ModelConfig:
     """RoPE base; larger values stretch the lowest frequency for longer contexts."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon; raise it (e.g. 1e-5 -> 1e-4) if bf16 runs show NaNs after a norm."""
+    subspace: SubspaceConfig | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """Constrain the model so stage boundaries send k numbers per token (``{rank: k}`` or
+    ``{ratio: r}``, see swarm/subspace.py); None = an ordinary model. Needs at least 2 stages."""
 
     def __post_init__(self) -> None:
         s = self._SECTION
@@ -272,6 +323,39 @@ class ModelConfig:
                 hint="Use a small positive value such as 1e-5.",
             ),
         )
+        self._check_subspace()
+
+    def _check_subspace(self) -> None:
+        """Accept ``subspace`` as a SubspaceConfig or a mapping (parsed YAML); check k against d_model."""
+        path = f"{self._SECTION}.subspace"
+        sub = self.subspace
+        if sub is None:
+            return
+        if isinstance(sub, Mapping):
+            sub = SubspaceConfig(**_take_keys(path, sub, SubspaceConfig))
+            _set(self, "subspace", sub)
+        if not isinstance(sub, SubspaceConfig):
+            raise _reject(
+                path,
+                sub,
+                "it must be a mapping such as {rank: 16} or {ratio: 32}",
+                "Write e.g. `subspace: {ratio: 32}` under model, or leave it out for an ordinary model.",
+            )
+        k = sub.resolve_rank(self.d_model)
+        if not 1 <= k <= self.d_model:
+            name, value = ("rank", sub.rank) if sub.rank is not None else ("ratio", sub.ratio)
+            given = "" if name == "rank" else f"it gives k = floor({self.d_model} / {value}) = {k}, but "
+            raise _reject(
+                f"{path}.{name}",
+                value,
+                f"{given}the subspace dimension k must satisfy 1 <= k <= model.d_model ({self.d_model})",
+                f"Use a rank between 1 and {self.d_model}, or a ratio between 1 and {self.d_model}.",
+            )
+
+    @property
+    def subspace_rank(self) -> int | None:
+        """k, the subspace dimension, or None when the model is not subspace-constrained."""
+        return None if self.subspace is None else self.subspace.resolve_rank(self.d_model)
 
     @property
     def head_dim(self) -> int:
@@ -289,10 +373,15 @@ class ModelConfig:
             return self.ffn_hidden
         return 32 * math.ceil(8 * self.d_model / 3 / 32)
 
-    def layer_params(self) -> int:
-        """Parameters of one transformer block (q, k, v, o; SwiGLU gate, up, down; two norms)."""
+    def layer_params(self, *, constrained: bool = False) -> int:
+        """Parameters of one transformer block (q, k, v, o; SwiGLU gate, up, down; two norms).
+
+        ``constrained``: the block writes into the k-dim subspace, so its attention output and SwiGLU
+        down projections hold k rows instead of d_model (see swarm/subspace.py).
+        """
         c, h = self.d_model, self.ffn_hidden_size
-        return 4 * c * c + 3 * c * h + 2 * c
+        out = self.subspace_rank if constrained and self.subspace_rank is not None else c
+        return 3 * c * c + out * c + 2 * c * h + out * h + 2 * c
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -570,6 +659,14 @@ class RunSpec:
                     f"Build it with {cls.__name__}(...) or load the spec with RunSpec.from_dict.",
                 )
         _set(self, "stages", _normalise_stages(self.stages, self.model.n_layers))
+        if self.model.subspace is not None and len(self.stages) < 2:
+            raise _reject(
+                "model.subspace",
+                _to_plain(self.model.subspace),
+                "a subspace-constrained model needs at least 2 stages: it compresses what crosses stage "
+                "boundaries, and a single-stage run has none",
+                "Split the model into stages (e.g. stages: 2), or leave model.subspace out.",
+            )
         _check_int(
             "micro_batch_size",
             self.micro_batch_size,
@@ -611,6 +708,15 @@ class RunSpec:
         return self.stages[stage]
 
     @property
+    def constrained_layers(self) -> tuple[int, int]:
+        """Half-open range of the layers that write only into the subspace: every layer before the last
+        stage boundary (the last stage's layers, final norm and head stay free). ``(0, 0)`` when the
+        model has no ``subspace``."""
+        if self.model.subspace is None:
+            return (0, 0)
+        return (0, self.stages[-1][0])
+
+    @property
     def tokens_per_micro_batch(self) -> int:
         """Tokens in one full micro-batch (micro_batch_size * seq_len)."""
         return self.micro_batch_size * self.model.seq_len
@@ -623,9 +729,14 @@ class RunSpec:
         else:
             first, end = self.stage_layers(stage)
             is_first, is_last = stage == 0, stage == self.num_stages - 1
-        total = (end - first) * m.layer_params()
+        c_first, c_end = self.constrained_layers
+        n_constrained = max(0, min(end, c_end) - max(first, c_first))
+        total = (end - first - n_constrained) * m.layer_params()
+        total += n_constrained * m.layer_params(constrained=True)
         if is_first:
-            total += m.vocab_size * m.d_model  # token embedding
+            k = m.subspace_rank
+            # token embedding (only its k-dim part is trained when the model is constrained)
+            total += m.vocab_size * (m.d_model if k is None else k)
         if is_last:
             total += m.d_model + m.d_model * m.vocab_size  # final RMSNorm + LM head
         return total
@@ -797,7 +908,11 @@ def _take_keys(section: str, data: Any, cls: type) -> dict[str, Any]:
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            f.name: _to_plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not (f.metadata.get(_OMIT_IF_NONE) and getattr(value, f.name) is None)
+        }
     if isinstance(value, (tuple, list)):
         return [_to_plain(v) for v in value]
     return value
