@@ -53,8 +53,10 @@ def _check_finite(absmax: torch.Tensor, codec: str) -> None:
 
 
 def _inverse(absmax: torch.Tensor, top: float) -> torch.Tensor:
-    """``top / absmax`` with 0 where a group is all zeros (its codes are then all 0)."""
-    return torch.where(absmax > 0, top / absmax.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    """``top / absmax``, or 0 where that would overflow float32 (a group of zeros, or of values below
+    ~1e-34, whose codes then are all 0: an absolute error under 1e-34, instead of inf * 0 = NaN)."""
+    limit = top / torch.finfo(torch.float32).max
+    return torch.where(absmax > limit, top / absmax.clamp_min(limit), 0.0)
 
 
 class _Quantizer(Codec):
