@@ -1,0 +1,211 @@
+"""Smoke tests of the links benchmark (benchmarks/netlab.py, pipelining_baseline.py, single_process.py,
+links.py) so that it cannot rot: tiny models, seconds each, no timed assertions.
+
+The network-lab tests need root and working ``ip netns``/``tc``; elsewhere they are skipped with the
+reason ``benchmarks.netlab.lab_unavailable_reason()`` gives.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.netlab import (
+    PREFIX,
+    LabError,
+    LoopbackLab,
+    NetLab,
+    clean_stale,
+    format_rate,
+    lab_unavailable_reason,
+    measure_transfer,
+    our_namespaces,
+    parse_rate,
+)
+from swarm.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+_REASON = lab_unavailable_reason(probe=True)
+needs_lab = pytest.mark.skipif(_REASON is not None, reason=f"network lab unavailable: {_REASON}")
+
+TINY = {
+    "run_id": "bench-smoke",
+    "seed": 0,
+    "model": {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
+    "stages": 2,
+    "codecs": {"activations": "none", "gradients": "none"},
+    "optimizer": {"name": "adamw", "lr": 1e-3, "clip_norm": 1.0, "mode": "sync"},
+    "micro_batch_size": 2,
+}
+
+
+# ------------------------------------------------------------------------------------- pure parts
+
+
+def test_parse_rate_units_and_none():
+    assert parse_rate("none") is None
+    assert parse_rate("20mbit") == 20e6
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("1.5mbit") == 1.5e6
+    assert format_rate("20Mbit") == "20mbit"
+    assert format_rate("1000mbit") == "1gbit"
+
+
+@pytest.mark.parametrize("bad", ["20", "fast", "-5mbit", "0mbit", "20mbps", ""])
+def test_parse_rate_rejects_with_the_rule(bad):
+    with pytest.raises(ConfigError, match="kbit, mbit or gbit"):
+        parse_rate(bad)
+
+
+def test_lab_node_names_are_checked():
+    with pytest.raises(ConfigError, match="repeat"):
+        LoopbackLab(["a", "a"])
+    with pytest.raises(ConfigError, match="invalid"):
+        LoopbackLab(["Bad Name"])
+    with pytest.raises(ConfigError, match="not in this lab"):
+        LoopbackLab(["a"]).address("b")
+
+
+def test_loopback_lab_refuses_rates_it_cannot_enforce():
+    lab = LoopbackLab(["a", "b"])
+    lab.set_rate("none")  # allowed: nothing to enforce
+    with pytest.raises(LabError, match="loopback"):
+        lab.set_rate("20mbit")
+    assert lab.address("b") == "127.0.0.1" and lab.tx_bytes("a") is None
+
+
+# ---------------------------------------------------------------------------------- network lab
+
+
+def _ours(tag: str) -> list[str]:
+    return [n for n in our_namespaces() if n.startswith(tag)]
+
+
+@needs_lab
+def test_netlab_rate_limits_and_tears_down():
+    nbytes = 256 * 1024
+    with NetLab(["a", "b"]) as lab:
+        tag = lab.tag
+        assert len(_ours(tag)) == 3  # two nodes and the hub
+        free_s = measure_transfer(lab, "a", "b", nbytes)
+        lab.set_rate("1mbit", ["a"])
+        before = lab.tx_bytes("a")
+        shaped_s = measure_transfer(lab, "a", "b", nbytes)
+        sent = lab.tx_bytes("a") - before
+        qdisc = subprocess.run(
+            ["tc", "-n", lab.ns("a"), "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+        ).stdout
+    assert "tbf" in qdisc and "1Mbit" in qdisc
+    # The shaper's own bound (not a timing guess): beyond its 64 KiB bucket, 1 Mbit/s cannot be beaten.
+    assert shaped_s >= (nbytes - 64 * 1024) * 8 / 1e6 * 0.9
+    assert shaped_s > free_s
+    assert sent >= nbytes  # the counters saw the payload (plus TCP/IP headers)
+    assert _ours(tag) == []
+
+
+@needs_lab
+def test_netlab_sigterm_tears_down_and_stale_labs_are_cleaned():
+    script = (
+        "import time\nfrom benchmarks.netlab import NetLab\n"
+        "lab = NetLab(['a', 'b'], rate='20mbit')\n"
+        "lab.spawn('a', ['sleep', '600'])\n"
+        "print(lab.tag, flush=True)\ntime.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        tag = proc.stdout.readline().strip()
+        assert tag.startswith(PREFIX) and len(_ours(tag)) == 3
+        proc.terminate()
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _ours(tag) == []
+
+    # A lab whose owner died without cleaning up (SIGKILL): clean_stale removes it, and only it.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{PREFIX}{dead.pid}-beef-x"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    with NetLab(["a"]) as live:
+        removed = clean_stale()
+        assert stale in removed and _ours(live.tag) != []
+    assert stale not in our_namespaces()
+
+
+# ------------------------------------------------------------------------------------- baselines
+
+
+@pytest.fixture()
+def tiny_spec(tmp_path):
+    from swarm.spec import RunSpec
+
+    path = tmp_path / "tiny.json"
+    path.write_bytes(RunSpec.from_dict(TINY).canonical_bytes())
+    return str(path)
+
+
+@pytest.mark.slow
+def test_pipelining_schedules_and_single_process_train_the_same_model(tiny_spec, tmp_path):
+    from benchmarks.pipelining_baseline import PipeConfig, run_pipelining
+    from benchmarks.single_process import SingleConfig, run_single
+
+    common = {"spec_path": tiny_spec, "steps": 2, "warmup_steps": 1, "data_bytes": 100_000, "timeout_s": 120}
+    with LoopbackLab(["s0", "s1"]) as lab:
+        runs = {
+            s: run_pipelining(lab, PipeConfig(schedule=s, n_micro=3, **common), ["s0", "s1"], tmp_path / s)
+            for s in ("gpipe", "1f1b")
+        }
+    single = run_single(SingleConfig(accumulate=3, threads=1, **common), tmp_path / "single")
+    for res in (*runs.values(), single):
+        assert res["tokens_per_step"] == 3 * 2 * 16
+        assert res["tokens_per_s"] > 0
+        assert all(math.isfinite(x["loss"]) for x in res["losses"])
+        assert res["peak_rss_mb"]
+    # Same weights, same micro-batches: the first step's loss is the same model's loss on the same data,
+    # and after one identical AdamW step the second one agrees too (up to summation order).
+    for res in runs.values():
+        for a, b in zip(res["losses"], single["losses"], strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+    assert runs["gpipe"]["payload_bytes_per_token"] == 2 * 1 * 32 * 4
+    assert len(runs["1f1b"]["peak_rss_mb"]) == 2
+
+
+@pytest.mark.slow
+@needs_lab
+def test_pipelining_runs_inside_the_lab(tiny_spec, tmp_path):
+    from benchmarks.netlab import open_lab
+    from benchmarks.pipelining_baseline import PipeConfig, run_pipelining
+
+    cfg = PipeConfig(
+        spec_path=tiny_spec,
+        schedule="1f1b",
+        n_micro=2,
+        steps=2,
+        warmup_steps=1,
+        data_bytes=100_000,
+        timeout_s=120,
+    )
+    with open_lab(["s0", "s1"], loopback=False, rate="100mbit") as lab:
+        res = run_pipelining(lab, cfg, ["s0", "s1"], tmp_path)
+        tag = lab.tag
+    # Every activation and gradient crossed a shaped link: the counters saw at least the fp32 payload.
+    assert res["wire_bytes_per_token"] >= res["payload_bytes_per_token"]
+    assert _ours(tag) == []
+
+
+def test_baseline_configs_name_the_rule():
+    from benchmarks.pipelining_baseline import PipeConfig
+    from benchmarks.single_process import SingleConfig
+
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        PipeConfig(spec_path="x", steps=2, warmup_steps=2)
+    with pytest.raises(ConfigError, match="gpipe or 1f1b"):
+        PipeConfig(spec_path="x", schedule="zb")
+    with pytest.raises(ConfigError, match="accumulate"):
+        SingleConfig(spec_path="x", accumulate=0)
