@@ -25,6 +25,13 @@ with probability proportional to its weight:
 - ``avoid`` (the peers of a route that just broke for an unknown reason) is soft: those peers are
   skipped unless they are the only ones left in their stage.
 
+Staleness cap (note "staleness cap"): a peer keeps ``optimizer.max_versions`` weight versions and
+steps every ``accumulate`` backwards, so a micro-batch whose forward and backward are separated by
+too many of that peer's other micro-batches is refused ("version evicted") and must be re-sent.
+The trainer therefore passes ``max_per_peer``: a peer of stage i already holding that many of this
+trainer's micro-batches is skipped, and a stage whose peers are all at the cap raises
+:class:`NoPeersError` with ``reason="saturated"`` (the trainer simply waits for completions).
+
 Only records in state ``online`` are used: a ``joining`` peer is still loading weights and a
 ``leaving`` one is about to go. A stage with no usable peer raises :class:`NoPeersError` naming the
 stage, so the trainer can print what would fill it and wait.
@@ -168,14 +175,18 @@ def choose_route(
     rng: random.Random,
     config: RoutingConfig = RoutingConfig(),
     avoid: frozenset[str] = frozenset(),
+    max_per_peer: Sequence[int | None] | None = None,
 ) -> tuple[str, ...]:
     """Draw one peer id per stage (index = stage), weighted as in note "stochastic wiring".
 
-    ``stages[i]`` maps peer id -> record of the peers serving stage i. Raises :class:`NoPeersError`
-    for the first stage with no usable peer. Pure: reads its arguments, changes nothing.
+    ``stages[i]`` maps peer id -> record of the peers serving stage i. ``max_per_peer[i]`` caps the
+    micro-batches this trainer keeps in flight through one peer of stage i (note "staleness cap");
+    None = no cap. Raises :class:`NoPeersError` for the first stage with no usable peer. Pure: reads
+    its arguments, changes nothing.
     """
     route = []
     for stage, records in enumerate(stages):
+        cap = max_per_peer[stage] if max_per_peer is not None and stage < len(max_per_peer) else None
         online = {pid: r for pid, r in records.items() if r.state == "online"}
         if not online:
             raise NoPeersError(
@@ -191,6 +202,15 @@ def choose_route(
                 reason="backoff",
                 retry_at=retry_at,
             )
+        if cap is not None:
+            ready = {pid: r for pid, r in ready.items() if pid not in stats or stats[pid].inflight < cap}
+            if not ready:
+                raise NoPeersError(
+                    f"every usable peer of stage {stage} already has {cap} of this trainer's micro-batches "
+                    "in flight",
+                    stage=stage,
+                    reason="saturated",
+                )
         preferred = {pid: r for pid, r in ready.items() if pid not in avoid} or ready
         fallback = _stage_fallback_throughput(online, config)
         ids = sorted(preferred)  # sorted: the draw depends only on rng, not on dict order
@@ -256,11 +276,21 @@ class Router:
         return self.stats.setdefault(peer, PeerStats())
 
     def route(
-        self, stages: Sequence[Mapping[str, PeerInfo]], *, avoid: frozenset[str] = frozenset()
+        self,
+        stages: Sequence[Mapping[str, PeerInfo]],
+        *,
+        avoid: frozenset[str] = frozenset(),
+        max_per_peer: Sequence[int | None] | None = None,
     ) -> tuple[str, ...]:
         """Pick a route and count it in flight on each of its peers; may raise :class:`NoPeersError`."""
         route = choose_route(
-            stages, self.stats, now=self._clock(), rng=self._rng, config=self.config, avoid=avoid
+            stages,
+            self.stats,
+            now=self._clock(),
+            rng=self._rng,
+            config=self.config,
+            avoid=avoid,
+            max_per_peer=max_per_peer,
         )
         for pid in route:
             st = self._st(pid)

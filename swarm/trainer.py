@@ -355,6 +355,7 @@ class _Step:
     tokens: int = 0
     stats: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     resolved: int = 0  # micro-batches of this step completed or dropped
+    completed: int = 0  # micro-batches of this step completed
 
 
 class Trainer:
@@ -409,6 +410,15 @@ class Trainer:
         self.accumulate = spec.optimizer.accumulate
         self.sync = spec.optimizer.mode == "sync"
         self.tokens_per_mb = spec.tokens_per_micro_batch
+        # note "staleness cap" (swarm/routing.py): a micro-batch whose forward and backward at a peer are
+        # more than max_versions - 1 versions apart is refused. A peer makes a version every `accumulate`
+        # backwards and one more per averaging round, so leave one version for averaging: with k of our
+        # micro-batches at a peer, at most k - 1 others finish in between. The last stage runs its
+        # backward right after its forward and needs no cap.
+        opt = spec.optimizer
+        headroom = 1 if spec.averaging.every_steps else 0
+        cap = None if self.sync else max(1, (opt.max_versions - 1 - headroom) * opt.accumulate + 1)
+        self.max_per_peer = [cap] * (spec.num_stages - 1) + [None]
         if cfg.tokens is not None:
             target_mbs = math.ceil(cfg.tokens / self.tokens_per_mb)
             self.target_steps = math.ceil(target_mbs / self.accumulate)
@@ -564,9 +574,12 @@ class Trainer:
             if mb is None:
                 return
             try:
-                route = self.router.route(self.stages, avoid=frozenset(mb.data["avoid"]))
+                route = self.router.route(
+                    self.stages, avoid=frozenset(mb.data["avoid"]), max_per_peer=self.max_per_peer
+                )
             except NoPeersError as e:
-                self._stage_unavailable(e, now)
+                if e.reason != "saturated":  # saturated: every peer has enough of ours; wait for completions
+                    self._stage_unavailable(e, now)
                 return
             self._stage_available(now)
             timeout = self.router.deadline_s(
@@ -667,6 +680,7 @@ class Trainer:
             self.cur.losses.append(mb.loss)
         for k, v in attempt.stats.items():
             self.cur.stats[k] += v
+        self.cur.completed += 1
         self._resolved_train()
 
     def _fail(
@@ -713,7 +727,7 @@ class Trainer:
             self.window_open -= 1
             if self.window_open == 0 and self.window_left == 0:
                 self._close_step()
-        elif self.cur.resolved >= self.accumulate:
+        elif self.cur.completed >= self.accumulate:  # async: a step is `accumulate` completed micro-batches
             self._close_step()
 
     def _close_step(self) -> None:
@@ -751,6 +765,8 @@ class Trainer:
     def _open_eval(self) -> None:
         self.eval_due = False
         batches = self.data.eval_batches(self.spec.micro_batch_size, self.config.eval_batches)
+        self.eval_step = self.step  # the weights being evaluated are those of this step
+        self.eval_tokens = self.tokens_done
         self.eval_round = [
             self.ledger.open("eval", x.numel(), data={"tokens": x, "targets": y, "avoid": set()}).index
             for x, y in batches
@@ -765,16 +781,16 @@ class Trainer:
         losses = [mb.loss for mb in mbs if mb.state == "completed" and mb.loss is not None]
         rec = {
             "type": "eval",
-            "step": self.step,
+            "step": self.eval_step,
             "time": round(self._clock() - self.started, 3),
-            "tokens": self.tokens_done,
+            "tokens": self.eval_tokens,
             "eval_loss": sum(losses) / len(losses) if losses else None,
             "eval_micro_batches": len(losses),
         }
         if self.writer is not None:
             self.writer.write(rec)
         if losses:
-            self.say(f"step {self.step}: held-out loss {rec['eval_loss']:.3f}")
+            self.say(f"step {self.eval_step}: held-out loss {rec['eval_loss']:.3f}")
         self.eval_round = None
 
     # ---- background loops ------------------------------------------------------------------------

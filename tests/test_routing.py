@@ -214,3 +214,17 @@ def test_busy_peer_is_skipped_briefly_without_a_failure():
     st = router.stats[pid("busy")]
     assert st.failures == 0 and st.inflight == 0 and st.backoff_until == pytest.approx(clock.t + 0.5)
     assert all(router.route(stages)[0] == pid("free") for _ in range(50))
+
+
+def test_staleness_cap_skips_full_peers_and_saturates():
+    router = Router(clock=FakeClock(), rng=random.Random(0))
+    stages = [stage_of(rec("a"), rec("b")), stage_of(rec("z", 1))]
+    caps = [2, None]  # the last stage has no cap
+    routes = [router.route(stages, max_per_peer=caps) for _ in range(4)]
+    assert sorted(r[0] for r in routes) == sorted([pid("a"), pid("a"), pid("b"), pid("b")])
+    assert router.stats[pid("z")].inflight == 4
+    with pytest.raises(NoPeersError) as info:
+        router.route(stages, max_per_peer=caps)
+    assert info.value.reason == "saturated" and info.value.stage == 0
+    router.on_success(pid("a"))
+    assert router.route(stages, max_per_peer=caps)[0] == pid("a")
