@@ -153,7 +153,11 @@ class Blockwise8Codec(_Blockwise):
     default_block = 256
     PARAMS: ClassVar[dict[str, Param]] = {
         "block": Param(
-            "int", 256, "values per absmax scale (even); smaller = more robust, larger ratio", 16, 1 << 20
+            "int",
+            256,
+            "values per absmax scale (even): smaller = more robust to outliers, larger = higher ratio",
+            16,
+            1 << 20,
         ),
         "sr": Param("bool", 0, _SR_HELP),
     }
@@ -250,7 +254,11 @@ class Blockwise4Codec(_Blockwise):
     default_block = 64
     PARAMS: ClassVar[dict[str, Param]] = {
         "block": Param(
-            "int", 64, "values per absmax scale (even); smaller = lower error, larger ratio", 16, 1 << 20
+            "int",
+            64,
+            "values per absmax scale (even): smaller = lower error, larger = higher ratio",
+            16,
+            1 << 20,
         ),
         "code": Param(
             "choice",
