@@ -1,0 +1,95 @@
+"""``swarm peer`` as a subprocess: the online line, serving, SIGTERM with a final checkpoint and no
+leftover processes, and resuming from that checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from peer.checkpoint import load_checkpoint
+from peer.protocol import INFO, Message, call
+from tests.test_peer_pipeline import Driver, _batch
+from tests.test_peer_swarm import spec_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+async def _start_cli_peer(driver: Driver, ckpt_dir: str) -> tuple[subprocess.Popen, str]:
+    cmd = [
+        sys.executable, "-m", "swarm.cli", "peer",
+        "--initial-peers", *driver.maddrs(),
+        "--run", driver.spec.run_id,
+        "--stage", "0",
+        "--device", "cpu",
+        "--throughput", "100",
+        "--announce-period", "0.5",
+        "--checkpoint-dir", ckpt_dir,
+    ]  # fmt: skip
+    env = dict(os.environ, HIVEMIND_LOGLEVEL="WARNING", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout=60)
+    assert line.startswith("peer ") and f"serving stage 0 of run {driver.spec.run_id}" in line, line
+    return proc, line.split()[1]
+
+
+def _stop(proc: subprocess.Popen) -> list[psutil.Process]:
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "the peer should run a DHT process and a p2pd daemon"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    return children
+
+
+def _gone(procs: list[psutil.Process], timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_cli_peer_serves_stops_cleanly_and_resumes(tmp_path):
+    spec = spec_for("cli1", stages=1, every_steps=0)
+    ckpt = str(tmp_path / "ckpt")
+
+    async def main():
+        driver = Driver(spec)
+        procs: list[subprocess.Popen] = []
+        try:
+            await driver.start()
+            proc, peer_id = await _start_cli_peer(driver, ckpt)
+            procs.append(proc)
+            tokens, targets = _batch(0, spec)
+            mb = await driver.send([peer_id], tokens, targets)
+            await driver.wait_reports(mb, {"loss", "done"})
+            children = await asyncio.to_thread(_stop, proc)
+            assert await asyncio.to_thread(_gone, children), "DHT/p2pd/averager processes left behind"
+            saved = load_checkpoint(ckpt, spec_hash=spec.spec_hash)
+            assert saved is not None and saved.version == 1 and saved.stage == 0
+
+            proc, peer_id = await _start_cli_peer(driver, ckpt)  # a fresh peer id, the saved state
+            procs.append(proc)
+            info = await call(driver.p2p, peer_id, INFO, Message({}), timeout_s=10)
+            assert info["version"] == 1 and info["stage"] == 0 and info["state"] == "online"
+            children = await asyncio.to_thread(_stop, proc)
+            assert await asyncio.to_thread(_gone, children)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            await driver.shutdown()
+
+    asyncio.run(main())
