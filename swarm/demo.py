@@ -256,7 +256,16 @@ class Demo:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _spawn_peer(self, stage: int, index: int, *, suffix: str = "") -> PeerProcess:
+    def add_peer(self, stage: int, *, extra_args: tuple[str, ...] = (), name: str = "extra") -> PeerProcess:
+        """Start one more peer for ``stage`` (e.g. a straggler: ``("--slowdown", "0.2")``) and wait
+        until it is online."""
+        proc = self._spawn_peer(stage, len(self.peers), suffix=f"-{name}", extra_args=extra_args)
+        self._await_online([proc])
+        return proc
+
+    def _spawn_peer(
+        self, stage: int, index: int, *, suffix: str = "", extra_args: tuple[str, ...] = ()
+    ) -> PeerProcess:
         assert self.maddr is not None
         cmd = [
             sys.executable,
@@ -271,6 +280,7 @@ class Demo:
             str(stage),
             *self.config.peer_args,
             *self.config.peer_args_by_index.get(index, ()),
+            *extra_args,
         ]
         log_path = self.logs / f"peer-s{stage}-{index}{suffix}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 (closed in shutdown)
@@ -449,16 +459,32 @@ class Demo:
             self.boot.close()
 
     def leftovers(self) -> list[int]:
-        """Process groups of this demo that still have members (empty after :meth:`shutdown`)."""
+        """Live processes (not zombies) in the process groups this demo created; empty after
+        :meth:`shutdown`. Zombies are ignored: a killed peer's DHT child is reparented to init and is
+        gone for every purpose but the process table until init reaps it."""
+        groups = set(self.pgids)
+        if not groups:
+            return []
+        if not os.path.isdir("/proc"):  # not Linux: ask the kernel about each group instead
+            alive = []
+            for pgid in groups:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, 0)
+                    alive.append(pgid)
+            return alive
         alive = []
-        for pgid in self.pgids:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
             try:
-                os.killpg(pgid, 0)
-                alive.append(pgid)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                alive.append(pgid)
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after the last ')'
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            state, pgrp = fields[0], int(fields[2])
+            if pgrp in groups and state not in ("Z", "X"):
+                alive.append(int(entry))
         return alive
 
 
