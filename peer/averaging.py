@@ -10,8 +10,9 @@ continues exactly where the donor is. A peer declares itself as a donor only onc
 state (``allow_state_sharing`` starts False), and its priority is its version, so joiners prefer
 the most advanced replica.
 
-Averaging (``average``): the averager's own tensors are shared-memory buffers of the state's
-shapes. A round copies the current state in, runs ``step()`` (blocking, so it is called from a
+Averaging (``average``): the averager holds the whole state as ONE flat float32 shared-memory
+buffer (one segment whatever the number of parameter tensors; state downloads travel as one flat
+tensor too, unflattened with the receiver's own shapes, which also checks their total size). A round copies the current state in, runs ``step()`` (blocking, so it is called from a
 dedicated thread, never the event loop), and returns ``(sent, averaged)``; the peer applies
 ``current + (averaged - sent)`` between micro-batches (``StageCompute.apply_average``), so steps
 taken while the round ran are kept. A lone peer's round fails after the timeout; that is normal
@@ -20,6 +21,7 @@ and reported as None.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -50,15 +52,9 @@ def _unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tenso
     return [part.reshape(shape).clone() for part, shape in zip(flat.split(sizes), shapes, strict=True)]
 
 
-def _make_averager_class():  # hivemind is imported lazily: it takes seconds and forks on use
-    import torch.multiprocessing as tmp
+@functools.lru_cache(maxsize=1)
+def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); one class per process
     from hivemind.averaging import DecentralizedAverager
-
-    # hivemind switches torch to the "file_system" sharing strategy on import, which starts a
-    # `torch_shm_manager` daemon that outlives every averager (and aborts the process if it dies
-    # first). The averager only shares memory with its own forked child, for which torch's Linux
-    # default "file_descriptor" works; everything is sent as ONE flat tensor, so it costs one fd.
-    tmp.set_sharing_strategy("file_descriptor")
 
     class _StateAverager(DecentralizedAverager):
         """A ``DecentralizedAverager`` whose downloadable state is the stage peer's full state."""
