@@ -299,32 +299,49 @@ class Demo:
         self.pgids.append(popen.pid)
         return proc
 
+    def _poll_online(self, procs: list[PeerProcess]) -> list[PeerProcess]:
+        """One look at the logs of ``procs``: returns those not online yet; raises if one exited."""
+        waiting = []
+        for p in procs:
+            if p.peer_id is not None:
+                continue
+            match = None
+            with contextlib.suppress(OSError):
+                match = _SERVING.search(p.log_path.read_text(errors="replace"))
+            if match:
+                p.peer_id = match.group(1)
+                self.say(f"  stage {p.stage}: peer {p.peer_id} online (pid {p.pid}, log {p.log_path})")
+            elif p.popen.poll() is not None:
+                raise SwarmError(
+                    f"peer process for stage {p.stage} exited with code {p.popen.returncode} before "
+                    f"coming online; its log {p.log_path} ends with:\n{p.log_tail()}"
+                )
+            else:
+                waiting.append(p)
+        return waiting
+
+    def _startup_timeout(self, waiting: list[PeerProcess]) -> SwarmError:
+        p = waiting[0]
+        return SwarmError(
+            f"{len(waiting)} peers did not come online within {self.config.start_timeout_s:.0f} s "
+            f"(start_timeout_s); the log {p.log_path} ends with:\n{p.log_tail()}"
+        )
+
     def _await_online(self, procs: list[PeerProcess]) -> None:
         """Wait until each peer printed ``peer <id> serving stage <i> of run <run>``."""
         deadline = time.monotonic() + self.config.start_timeout_s
-        waiting = [p for p in procs if p.peer_id is None]
-        while waiting:
-            for p in list(waiting):
-                match = None
-                with contextlib.suppress(OSError):
-                    match = _SERVING.search(p.log_path.read_text(errors="replace"))
-                if match:
-                    p.peer_id = match.group(1)
-                    waiting.remove(p)
-                    self.say(f"  stage {p.stage}: peer {p.peer_id} online (pid {p.pid}, log {p.log_path})")
-                elif p.popen.poll() is not None:
-                    raise SwarmError(
-                        f"peer process for stage {p.stage} exited with code {p.popen.returncode} before "
-                        f"coming online; its log {p.log_path} ends with:\n{p.log_tail()}"
-                    )
-            if waiting and time.monotonic() > deadline:
-                p = waiting[0]
-                raise SwarmError(
-                    f"{len(waiting)} peers did not come online within {self.config.start_timeout_s:.0f} s "
-                    f"(start_timeout_s); the log {p.log_path} ends with:\n{p.log_tail()}"
-                )
-            if waiting:
-                time.sleep(0.2)
+        while waiting := self._poll_online(procs):
+            if time.monotonic() > deadline:
+                raise self._startup_timeout(waiting)
+            time.sleep(0.2)
+
+    async def _await_online_async(self, procs: list[PeerProcess]) -> None:
+        """:meth:`_await_online` for the event loop (cancellable, unlike a thread)."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while waiting := self._poll_online(procs):
+            if time.monotonic() > deadline:
+                raise self._startup_timeout(waiting)
+            await asyncio.sleep(0.2)
 
     # ---- training -------------------------------------------------------------------------------
 
@@ -372,7 +389,8 @@ class Demo:
         inflight = self.trainer.ledger.inflight() if self.trainer is not None else 0
         _kill_group(victim.pid, signal.SIGKILL)
         victim.killed = True
-        await asyncio.to_thread(victim.popen.wait)
+        while victim.popen.poll() is None:  # reaps it; SIGKILL takes effect at once
+            await asyncio.sleep(0.05)
         event = {
             "time": time.time(),
             "step": self.trainer.step,
@@ -386,7 +404,7 @@ class Demo:
             f"{event['step']} with {inflight} micro-batches in flight; starting a fresh peer"
         )
         fresh = self._spawn_peer(victim.stage, victim.index, suffix="-fresh")
-        await asyncio.to_thread(self._await_online, [fresh])
+        await self._await_online_async([fresh])
         event["fresh_peer"] = fresh.peer_id
         self.chaos_log.append(event)
         self.trainer.say(f"chaos: fresh peer {fresh.peer_id} serves stage {fresh.stage}")
