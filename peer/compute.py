@@ -129,8 +129,10 @@ class StageCompute:
         """The runtime's forward gate: False in sync mode once this step's forwards have all started."""
         if not self.sync:
             return True
-        with self.lock:
-            return self._window_forwards < self.spec.optimizer.accumulate
+        # No lock on purpose: the queue calls this while holding its own lock, and compute code
+        # notifies the queue while holding ours; reading one int needs no lock (lock order stays
+        # one-way: compute lock -> queue lock).
+        return self._window_forwards < self.spec.optimizer.accumulate
 
     def params(self) -> Params:
         """The latest served weights (read-only tensors)."""
@@ -260,27 +262,13 @@ class StageCompute:
                 self._release_window_slot()
                 raise
         t0 = time.perf_counter()
-        if entry.graph is not None:
-            out, x_leaf, leaves = entry.graph
-        else:
-            leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
-            x = entry.inputs
-            x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
-            with torch.enable_grad():
-                out = self._run(leaves, x if x_leaf is None else x_leaf)
-        grad_output = self._to_device(grad_output).to(out.dtype)
-        if tuple(grad_output.shape) != tuple(out.shape):
-            with self.lock:
+        try:
+            grad_input, param_grads = self._backward_math(entry, params, grad_output)
+        except BaseException:
+            with self.lock:  # the entry is gone: count it and free its sync-window slot
                 self.stash.dropped += 1
-                self._release_window_slot()
-            raise RequestError(
-                f"gradient of shape {tuple(grad_output.shape)} does not match this stage's output "
-                f"{tuple(out.shape)} for micro-batch {mb_id!r}"
-            )
-        inputs = list(leaves.values()) + ([x_leaf] if x_leaf is not None else [])
-        grads = torch.autograd.grad(out, inputs, grad_outputs=grad_output, allow_unused=True)
-        param_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
-        grad_input = grads[-1].detach().float().cpu() if x_leaf is not None else None
+            self._release_window_slot()
+            raise
         with self.lock:
             staleness = self.version - entry.version
             self.optimizer.accumulate(param_grads, staleness=staleness)
@@ -293,6 +281,30 @@ class StageCompute:
             staleness=staleness,
             entry=entry,
         )
+
+    def _backward_math(
+        self, entry: StashEntry, params: Params, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, Params]:
+        """Input gradient ``(B, T, C)`` (None on stage 0) and parameter gradients for one stashed forward."""
+        if entry.graph is not None:
+            out, x_leaf, leaves = entry.graph
+        else:  # recompute the forward with the stashed version's weights
+            leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+            x = entry.inputs
+            x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
+            with torch.enable_grad():
+                out = self._run(leaves, x if x_leaf is None else x_leaf)
+        if tuple(grad_output.shape) != tuple(out.shape):
+            raise RequestError(
+                f"gradient of shape {tuple(grad_output.shape)} does not match this stage's output "
+                f"{tuple(out.shape)} for micro-batch {entry.mb_id!r}"
+            )
+        grad_output = self._to_device(grad_output).to(out.dtype)
+        inputs = list(leaves.values()) + ([x_leaf] if x_leaf is not None else [])
+        grads = torch.autograd.grad(out, inputs, grad_outputs=grad_output, allow_unused=True)
+        param_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
+        grad_input = grads[-1].detach().float().cpu() if x_leaf is not None else None
+        return grad_input, param_grads
 
     # ---- steps, drops, expiry ------------------------------------------------------------------
 

@@ -652,14 +652,28 @@ class StagePeer:
         targets: torch.Tensor | None,
         waited: float,
     ) -> None:
+        """Worker thread: run one forward; any failure becomes a ``failed`` report, never silence."""
+        try:
+            self._run_forward(compute, h, x, targets, waited)
+        except (ValueError, RuntimeError) as e:  # RequestError, CodecError; RuntimeError: e.g. CUDA OOM
+            compute.drop(h.mb_id)
+            if not isinstance(e, RequestError):
+                logger.exception("forward of %s failed on stage %d", h.mb_id, compute.stage)
+            reason = str(e) if isinstance(e, RequestError) else f"compute error: {type(e).__name__}: {e}"
+            self._report_failed(h, stage=compute.stage, peer=self.peer_id, reason=reason)
+
+    def _run_forward(
+        self,
+        compute: StageCompute,
+        h: ForwardHeader,
+        x: torch.Tensor,
+        targets: torch.Tensor | None,
+        waited: float,
+    ) -> None:
         s = compute.stage
         if self.config.slowdown_s > 0:
             time.sleep(self.config.slowdown_s)  # the documented artificial straggler delay
-        try:
-            res = compute.forward(h.mb_id, x, h.mode, targets=targets, context=h)
-        except RequestError as e:
-            self._report_failed(h, stage=s, peer=self.peer_id, reason=str(e))
-            return
+        res = compute.forward(h.mb_id, x, h.mode, targets=targets, context=h)
         self.counters["forwards"] += 1
         stats = dict(h.stats)
         stats[f"fwd_compute_s_{s}"] = res.compute_s
@@ -672,78 +686,52 @@ class StagePeer:
             header = dataclasses.replace(h, stage=s + 1, stats=stats, sent_at=time.time())
             self._send(self._deliver_forward(compute, h, header, payload))
             return
+
         # the last stage: loss, then backward (train) or the result (eval/generate)
-        if h.mode == "train":
-            self._send(
-                self._report(
-                    h.trainer,
-                    Report(
-                        run_id=h.run_id,
-                        mb_id=h.mb_id,
-                        kind="loss",
-                        stage=s,
-                        peer=self.peer_id,
-                        loss=res.loss,
-                        n_tokens=res.n_tokens,
-                        version=res.version,
-                        stats=stats,
-                    ),
-                )
+        def report(kind: str) -> Report:
+            return Report(
+                run_id=h.run_id,
+                mb_id=h.mb_id,
+                kind=kind,  # type: ignore[arg-type]
+                stage=s,
+                peer=self.peer_id,
+                loss=res.loss,
+                n_tokens=res.n_tokens,
+                version=res.version,
+                stats=stats,
             )
+
+        if h.mode == "train":
+            self._send(self._report(h.trainer, report("loss")))
             self.counters["backwards"] += 1
             self._after_backward(compute, h, res.grad_input, stats)
         elif h.mode == "eval":
-            self._send(
-                self._report(
-                    h.trainer,
-                    Report(
-                        run_id=h.run_id,
-                        mb_id=h.mb_id,
-                        kind="result",
-                        stage=s,
-                        peer=self.peer_id,
-                        loss=res.loss,
-                        n_tokens=res.n_tokens,
-                        version=res.version,
-                        stats=stats,
-                    ),
-                )
-            )
+            self._send(self._report(h.trainer, report("result")))
         else:
             from compression import get_codec
 
-            payload = get_codec("none").encode(res.logits_last.float())  # (B, vocab)
-            self._send(
-                self._report(
-                    h.trainer,
-                    Report(
-                        run_id=h.run_id,
-                        mb_id=h.mb_id,
-                        kind="result",
-                        stage=s,
-                        peer=self.peer_id,
-                        loss=res.loss,
-                        n_tokens=res.n_tokens,
-                        version=res.version,
-                        stats=stats,
-                    ),
-                    payload,
-                )
-            )
+            logits = get_codec("none").encode(res.logits_last.float())  # (B, vocab)
+            self._send(self._report(h.trainer, report("result"), logits))
 
     def _backward_task(
         self, compute: StageCompute, h: BackwardHeader, fwd: ForwardHeader, grad: torch.Tensor, waited: float
     ) -> None:
-        s = compute.stage
+        """Worker thread: run one backward; any failure becomes a ``failed`` report, never silence."""
         try:
-            res = compute.backward(h.mb_id, grad)
-        except VersionEvicted as e:
-            self.counters["version_evicted"] += 1
-            self._report_failed(fwd, stage=s, peer=self.peer_id, reason=str(e))
-            return
-        except RequestError as e:
-            self._report_failed(fwd, stage=s, peer=self.peer_id, reason=str(e))
-            return
+            self._run_backward(compute, h, fwd, grad, waited)
+        except (ValueError, RuntimeError) as e:  # VersionEvicted, RequestError, CodecError, CUDA OOM
+            if isinstance(e, VersionEvicted):
+                self.counters["version_evicted"] += 1
+            elif not isinstance(e, RequestError):
+                logger.exception("backward of %s failed on stage %d", h.mb_id, compute.stage)
+            reason = str(e) if isinstance(e, RequestError) else f"compute error: {type(e).__name__}: {e}"
+            self._report_failed(fwd, stage=compute.stage, peer=self.peer_id, reason=reason)
+
+    def _run_backward(
+        self, compute: StageCompute, h: BackwardHeader, fwd: ForwardHeader, grad: torch.Tensor, waited: float
+    ) -> None:
+        s = compute.stage
+        res = compute.backward(h.mb_id, grad)
         self.counters["backwards"] += 1
         stats = dict(h.stats)
         stats[f"bwd_compute_s_{s}"] = res.compute_s
