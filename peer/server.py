@@ -186,12 +186,17 @@ class StagePeer:
                 logger.warning("%s", warning)
             self.spec = await asyncio.to_thread(self._membership.fetch_spec, cfg.spec_timeout_s)
             self._check_device()
-            from compression import get_codec
+            from compression import CodecError, get_codec
 
-            self._codecs = (
-                get_codec(self.spec.codecs.activations, max_decoded_bytes=cfg.max_payload_bytes * 8),
-                get_codec(self.spec.codecs.gradients, max_decoded_bytes=cfg.max_payload_bytes * 8),
-            )
+            try:
+                self._codecs = (
+                    get_codec(self.spec.codecs.activations, max_decoded_bytes=cfg.max_payload_bytes * 8),
+                    get_codec(self.spec.codecs.gradients, max_decoded_bytes=cfg.max_payload_bytes * 8),
+                )
+            except CodecError as e:
+                raise ConfigError(
+                    f"run {cfg.run_id!r} uses a codec this peer cannot build ({e}); upgrade swarmpipe"
+                ) from e
             self._queue = ComputeQueue(cfg.max_queue, forward_gate=self._forward_gate)
             self._queue.start()
             self._p2p = await self._dht.replicate_p2p()
@@ -377,9 +382,7 @@ class StagePeer:
             throughput=float(self.throughput),
             queue=len(self._queue) if self._queue is not None else 0,
             version=compute.version,
-            codecs=tuple(
-                sorted({self.spec.codecs.activations.split(":")[0], self.spec.codecs.gradients.split(":")[0]})
-            ),
+            codecs=_decodable_codecs(),
             spec_hash=self.spec.spec_hash,
         )
 
@@ -848,6 +851,13 @@ class StagePeer:
             logger.info(
                 "report %s of %s to trainer %s was not delivered: %s", report.kind, report.mb_id, trainer, e
             )
+
+
+def _decodable_codecs() -> tuple[str, ...]:
+    """Names of every codec this build decodes (what the record's ``codecs`` field announces)."""
+    from compression import available_codecs
+
+    return tuple(name for name, _, _ in available_codecs())[:16]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -280,3 +280,41 @@ def test_refusals_and_failed_hop_reports():
             await stop_all(peers, driver)
 
     asyncio.run(main())
+
+
+def test_async_pipeline_with_many_micro_batches_in_flight():
+    spec = RunSpec.from_dict(
+        tiny_spec("async2", stages=2).to_dict()
+        | {"codecs": {"activations": "blockwise8", "gradients": "blockwise8"}}
+        | {"optimizer": {"name": "nesterov", "lr": 1e-2, "mode": "async", "max_versions": 16}}
+    )
+
+    async def main():
+        driver = Driver(spec)
+        peers: list[StagePeer] = []
+        try:
+            await driver.start()
+            await start_peers(driver, [peer_config(driver, 0), peer_config(driver, 1)], peers)
+            route = [p.peer_id for p in peers]
+            n = 8
+            sent = set()
+            for i in range(n):  # all in flight at once: stage 0 steps while older ones await backward
+                tokens, targets = _batch(i, spec)
+                sent.add(await driver.send(route, tokens, targets))
+            done: dict[str, Report] = {}
+            async with asyncio.timeout(30):
+                while len(done) < n:
+                    report, _ = await driver.reports.get()
+                    assert report.kind != "failed", report.reason
+                    if report.kind == "done":
+                        done[report.mb_id] = report
+            assert set(done) == sent
+            assert all(p.version == n for p in peers)  # accumulate 1: one step per micro-batch
+            staleness = [r.stats["staleness_0"] for r in done.values()]
+            assert max(staleness) > 0  # backwards ran on stashed, older versions
+            assert all(r.stats["fwd_bytes_0"] < 2 * 16 * 32 * 4 / 3 for r in done.values())  # ~4x smaller
+            assert all(len(p.compute.stash) == 0 for p in peers)
+        finally:
+            await stop_all(peers, driver)
+
+    asyncio.run(main())
