@@ -129,6 +129,10 @@ class Codec(ABC):
     def __repr__(self) -> str:
         return f"<codec {self.spec}>"
 
+    def forget(self, stream: Hashable) -> None:
+        """Drop whatever state is kept for ``stream`` (its peer left); a no-op for stateless codecs."""
+        return None  # stateless by default; stateful codecs override
+
     def encode(self, tensor: torch.Tensor, *, stream: Hashable | None = None) -> bytes:
         """Encode ``tensor`` (any device, any layout) into header + payload bytes."""
         x = to_cpu(tensor)

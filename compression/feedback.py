@@ -52,8 +52,10 @@ class ErrorFeedback(Codec):
         return {**self.inner.spec_params(), "ef": "1"}
 
     def forget(self, stream: Hashable) -> None:
-        """Drop the residual of ``stream`` (its peer left, or the optimizer state was reset)."""
+        """Drop the residual of ``stream`` (its peer left, or the optimizer state was reset), and the
+        inner codec's state for it (a low-rank warm start)."""
         self.residuals.discard(stream)
+        self.inner.forget(stream)
 
     def encode(self, tensor: torch.Tensor, *, stream: Hashable | None = None) -> bytes:
         x = to_cpu(tensor)

@@ -243,6 +243,14 @@ def test_error_feedback_is_per_stream_and_bounded():
     small = get_codec("int8:ef=1,state_mb=0")
     small.encode(x, stream="a")
     assert len(small.residuals) == 0
+    codec.forget("b")
+    assert codec.residuals.get("b") is None
+    low = get_codec("lowrank:rank=2,ef=1")
+    low.encode(x, stream="s")
+    assert low.inner._states.get("s") is not None
+    low.forget("s")
+    assert low.inner._states.get("s") is None and low.residuals.get("s") is None
+    get_codec("fp16").forget("s")  # stateless: a no-op
     # ef output is plain codec bytes: any receiver decodes it
     assert header_info(codec.encode(x, stream="a"))["codec"] == "int8"
 
