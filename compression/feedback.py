@@ -9,6 +9,10 @@ parameter-delta streams. For activations it matters less (each micro-batch is di
 Residuals are float32, one per stream, in a ``StreamStates`` LRU bounded by stream count and bytes.
 A residual whose shape differs from the new tensor (e.g. a shorter last batch) is dropped. With
 ``stream=None`` nothing is carried: the call is a plain encode.
+
+Concurrency: calls are thread-safe, but two concurrent calls on the *same* stream both read the same
+residual and the later write wins, so one call's residual is lost (a bounded, one-off error, not a
+crash). Encode one stream from one thread at a time when that matters.
 """
 
 from __future__ import annotations
