@@ -223,6 +223,10 @@ class Ledger:
         """In-flight attempts whose deadline has passed."""
         return [a for a in self._inflight.values() if a.deadline <= now]
 
+    def inflight_attempts(self) -> list[Attempt]:
+        """Attempts in flight right now (a copy: callers may close them while iterating)."""
+        return list(self._inflight.values())
+
     def inflight(self, kind: Kind | None = None) -> int:
         return sum(
             1 for a in self._inflight.values() if kind is None or self.micro_batches[a.index].kind == kind

@@ -401,7 +401,7 @@ class Demo:
         }
         self.trainer.say(
             f"chaos: killed peer {victim.peer_id} (stage {victim.stage}, pid {victim.pid}) with SIGKILL at step "
-            f"{event['step']} with {inflight} micro-batches in flight; starting a fresh peer"
+            f"{event['step']} while {inflight} micro-batches were in the swarm; starting a fresh peer"
         )
         fresh = self._spawn_peer(victim.stage, victim.index, suffix="-fresh")
         await self._await_online_async([fresh])
@@ -448,6 +448,11 @@ class Demo:
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         self.say(f"demo finished in {wall_s:.1f} s (start-up included). Peers:")
         for p in summary["demo"]["peers"]:
+            if p["peer_id"] is None:
+                self.say(
+                    f"  stage {p['stage']}: a fresh peer (pid {p['pid']}) was still starting when training ended"
+                )
+                continue
             note = " (killed by chaos)" if p["killed"] else ""
             self.say(f"  stage {p['stage']}: {p['peer_id']} served {p['micro_batches']} micro-batches{note}")
         self.say(f"files: {self.out_dir}/metrics.jsonl loss.png status.json summary.json logs/")

@@ -684,10 +684,22 @@ class Trainer:
         self._resolved_train()
 
     def _fail(
-        self, attempt: Attempt, *, reason: str, stage: int | None, peer: str | None, detail: str = ""
+        self,
+        attempt: Attempt,
+        *,
+        reason: str,
+        stage: int | None,
+        peer: str | None,
+        detail: str = "",
+        cascade: bool = False,
     ) -> None:
         """Close a broken attempt: act on the peer it names (note "failure classes"), release the
-        others, then retry or drop the micro-batch."""
+        others, then retry or drop the micro-batch.
+
+        An ``unreachable`` peer is most likely dead, and every other attempt whose route holds it
+        would only find out at its deadline (its gradients must come back through that peer), so
+        those are closed at once too (``cascade``: they count no second failure against the peer).
+        """
         blamed = peer if peer in attempt.route else None
         if blamed is None and stage is not None and 0 <= stage < len(attempt.route) and reason != "timeout":
             blamed = attempt.route[stage]
@@ -695,7 +707,7 @@ class Trainer:
         if decision == "stale":
             return
         for pid in attempt.route:
-            if pid == blamed and reason in _BLAMED:
+            if pid == blamed and reason in _BLAMED and not cascade:
                 self.router.on_failure(pid)
             elif pid == blamed and reason == "busy":
                 self.router.on_busy(pid)
@@ -718,6 +730,17 @@ class Trainer:
                 self._resolved_train()
             else:
                 self._eval_progress()
+        if reason == "unreachable" and blamed is not None and not cascade:
+            for other in self.ledger.inflight_attempts():
+                if blamed in other.route:
+                    self._fail(
+                        other,
+                        reason="unreachable",
+                        stage=other.route.index(blamed),
+                        peer=blamed,
+                        detail=f"its route holds {blamed}, which just failed as unreachable",
+                        cascade=True,
+                    )
         self.wake.set()
 
     def _resolved_train(self) -> None:

@@ -14,6 +14,7 @@ import signal
 import pytest
 
 from swarm.demo import Demo, DemoConfig
+from swarm.generation import GenerateConfig, generate
 from swarm.spec import RunSpec
 from swarm.trainer import Trainer, TrainerConfig
 
@@ -89,6 +90,20 @@ def test_straggler_receives_clearly_fewer_micro_batches(swarm, tmp_path):
     fast = [served.get(p, 0) for p in stage_peers(swarm, 1) if p != slow.peer_id]
     assert len(fast) == 2 and all(n > 0 for n in fast), served
     assert served.get(slow.peer_id, 0) * 3 < min(fast), served
+
+
+def test_generate_samples_through_the_swarm(swarm):
+    cfg = GenerateConfig(
+        initial_peers=(swarm.maddr,),
+        run_id=swarm.spec.run_id,
+        prompt="def ",
+        max_new_tokens=6,
+        temperature=0.0,
+    )
+    pieces: list[str] = []
+    text = generate(cfg, on_text=pieces.append)
+    assert text and "".join(pieces) == text
+    assert generate(cfg) == text  # greedy sampling of unchanged weights is deterministic
 
 
 def test_kill_9_peer_with_micro_batches_in_flight(swarm, tmp_path):

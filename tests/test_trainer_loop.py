@@ -215,6 +215,36 @@ def test_dead_peer_is_routed_around_and_everything_is_accounted(tmp_path):
     assert any(e["event"] == "attempt_failed" and e["peer"] == pid("b1") for e in events)
 
 
+def test_peer_dying_with_work_queued_closes_all_its_attempts_at_once(tmp_path):
+    """A silent peer would hold its micro-batches until their deadlines; once one failure names it
+    unreachable, every other attempt through it is re-sent at once, long before any deadline."""
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0"], 1: ["a1", "doomed"]})
+    sim.silent.add(pid("doomed"))  # swallows work, like a peer killed with micro-batches queued
+    slow_deadlines = RoutingConfig(deadline_base_s=60.0, backoff_base_s=0.2, backoff_max_s=1.0)
+    trainer = Trainer(config(tmp_path, steps=10, max_inflight=4, routing=slow_deadlines))
+
+    def through_doomed() -> list:
+        return [a for a in trainer.ledger.inflight_attempts() if a.route[1] == pid("doomed")]
+
+    async def main():
+        run = asyncio.get_running_loop().create_task(trainer.run_on(sim, data_for(spec)))
+        try:
+            while getattr(trainer, "ledger", None) is None or len(through_doomed()) < 2:
+                await asyncio.sleep(0.005)
+            sim.dead.add(pid("doomed"))  # one hop notices and reports it; the others stay silent
+            sim._report(through_doomed()[0].mb_id, "failed", 1, pid("doomed"), reason="unreachable")
+            return await asyncio.wait_for(run, timeout=30)
+        finally:
+            await sim.close()
+
+    summary = asyncio.run(main())
+    mb = summary["micro_batches"]
+    assert mb["completed"] == 10 and mb["failures_by_reason"] == {"unreachable": mb["failed_attempts"]}
+    assert mb["failed_attempts"] >= 2 and "timeout" not in mb["failures_by_reason"]
+    assert summary["wall_s"] < 20  # no 60 s deadline was waited for
+
+
 def test_silent_peer_times_out_and_micro_batches_are_resent(tmp_path):
     spec = make_spec()
     sim = SimSwarm(spec, {0: ["a0"], 1: ["a1", "quiet"]})
