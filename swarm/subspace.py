@@ -19,11 +19,12 @@ satisfies ``h - E_fix[tokens] in span(U)`` and
   ``h = U c + E_fix[tokens]`` exactly (to float rounding). The token ids ride along in every route
   already, so they cost nothing extra.
 - backward: the receiver sends ``U^T g`` for its input gradient g = dL/dh; the sender continues
-  backward from ``U (U^T g)``. That is exact for the constrained model, with no error feedback: every
-  parameter's contribution to the sender's output lies in span(U) (and its input enters through the
-  identity residual path plus span(U)-valued branches), so the part of g orthogonal to span(U) is
-  multiplied by zero in every gradient the sender computes. tests/test_subspace.py checks both
-  claims against the unsplit model's forward and parameter gradients.
+  backward from ``U (U^T g)``. That is exact for the constrained model, with no error feedback: the
+  sender's output is its input plus span(U)-valued branches (or E_fix[t] plus a span(U)-valued
+  embedding on stage 0), so every parameter's derivative of the output lies in span(U), and the
+  part of g orthogonal to span(U) changes neither the sender's parameter gradients nor U^T of its
+  input gradient (the only thing it sends further back). tests/test_subspace.py checks both claims
+  against the unsplit model's forward and parameter gradients.
 
 The last stage's layers, the final norm and the head come after the last boundary and stay free.
 
