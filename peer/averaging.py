@@ -1,7 +1,9 @@
 """Same-stage synchronisation over hivemind: state download for joining peers, and periodic averaging.
 
 Both use one ``hivemind.averaging.DecentralizedAverager`` per (run, stage), with the prefix
-``<run_id>_stage<i>`` (averager prefixes must not contain '.'; run ids cannot).
+``<run_id>_<spec_hash>_stage<i>`` (averager prefixes must not contain '.'; run ids and hashes
+cannot). The spec hash is in the prefix so that two specs published under one run id (a mistake,
+but a possible one) never average their weights together.
 
 State download (``load_state``): hivemind's ``load_state_from_peers`` asks a donor that declared
 itself in the DHT for its ``get_current_state()``. We override that to return the stage's
@@ -37,9 +39,10 @@ logger = logging.getLogger(__name__)
 StateFn = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
 
-def averager_prefix(run_id: str, stage: int) -> str:
-    prefix = f"{run_id}_stage{stage}"
-    assert "." not in prefix  # run ids are [A-Za-z0-9_-] (RunSpec validates it)
+def averager_prefix(run_id: str, spec_hash: str, stage: int) -> str:
+    """``<run_id>_<spec_hash>_stage<i>``: peers of another spec under the same run id never mix."""
+    prefix = f"{run_id}_{spec_hash}_stage{stage}"
+    assert "." not in prefix  # run ids are [A-Za-z0-9_-] (RunSpec validates it), hashes are hex
     return prefix
 
 
@@ -87,6 +90,7 @@ class StageAverager:
         dht: Any,
         *,
         run_id: str,
+        spec_hash: str,
         stage: int,
         shapes: list[torch.Tensor],
         state_fn: StateFn,
@@ -101,7 +105,7 @@ class StageAverager:
         around the fork and restored afterwards, so Ctrl-C keeps working in the peer.
         """
         averager_cls = _make_averager_class()
-        prefix = averager_prefix(run_id, stage)
+        prefix = averager_prefix(run_id, spec_hash, stage)
         sizes = [t.shape for t in shapes]
         buffer = torch.zeros(sum(s.numel() for s in sizes), dtype=torch.float32)  # the state, flattened
         averager = averager_cls(

@@ -83,7 +83,7 @@ class PeerConfig:
     """Seconds between periodic checkpoints (with ``checkpoint_dir``)."""
     averaging_matchmaking_s: float = 2.0
     """Seconds an averaging round waits for same-stage peers to gather (hivemind min_matchmaking_time)."""
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = 10.0
     """On leaving a stage or shutting down: how long to wait for in-flight micro-batches to finish."""
     max_payload_bytes: int = 256 << 20
     """Largest activation/gradient message this peer accepts (bytes)."""

@@ -276,6 +276,7 @@ class StagePeer:
         self._averager = StageAverager.create(
             self._dht,
             run_id=self.spec.run_id,
+            spec_hash=self.spec.spec_hash,
             stage=stage,
             shapes=tensors,
             state_fn=self._donor_state,
@@ -338,6 +339,8 @@ class StagePeer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._stop_averaging.set()
+        if was_serving and self._compute is not None and self._queue is not None:
+            await self._drain(self._compute)  # backwards of stashed micro-batches may still arrive
         if self._queue is not None:
             await asyncio.to_thread(self._queue.close, timeout_s=self.config.drain_timeout_s)
         if self._sends:
@@ -361,6 +364,13 @@ class StagePeer:
             await asyncio.to_thread(self._dht.shutdown)
             self._dht = None
         self.state = "stopped"
+
+    async def _drain(self, compute: StageCompute) -> None:
+        """Wait (up to ``drain_timeout_s``) until no micro-batch awaits its backward here and the
+        queue and outgoing sends are empty. New forwards are refused meanwhile (state != online)."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while time.monotonic() < deadline and (len(compute.stash) or not self.queue.idle or self._sends):
+            await asyncio.sleep(0.05)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
@@ -422,9 +432,7 @@ class StagePeer:
             old = self.compute
             self.state = "leaving"
             await self._announce()
-            deadline = time.monotonic() + self.config.drain_timeout_s
-            while time.monotonic() < deadline and (len(old.stash) or not self.queue.idle or self._sends):
-                await asyncio.sleep(0.05)
+            await self._drain(old)
             await asyncio.to_thread(old.flush_step)  # no accumulated gradient is lost by moving
             self._stop_averaging.set()
             if self._averaging_thread is not None:

@@ -1,5 +1,5 @@
 """``swarm peer`` as a subprocess: the online line, serving, SIGTERM with a final checkpoint and no
-leftover processes, and resuming from that checkpoint."""
+leftover processes; then a peer resuming from that checkpoint."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import time
 import psutil
 import pytest
 
+from peer import StagePeer
 from peer.checkpoint import load_checkpoint
 from peer.protocol import INFO, Message, call
-from tests.test_peer_pipeline import Driver, _batch
+from tests.test_peer_pipeline import Driver, _batch, peer_config
 from tests.test_peer_swarm import spec_for
 
 pytestmark = pytest.mark.slow
@@ -67,6 +68,7 @@ def test_cli_peer_serves_stops_cleanly_and_resumes(tmp_path):
     async def main():
         driver = Driver(spec)
         procs: list[subprocess.Popen] = []
+        peers: list[StagePeer] = []
         try:
             await driver.start()
             proc, peer_id = await _start_cli_peer(driver, ckpt)
@@ -79,17 +81,20 @@ def test_cli_peer_serves_stops_cleanly_and_resumes(tmp_path):
             saved = load_checkpoint(ckpt, spec_hash=spec.spec_hash)
             assert saved is not None and saved.version == 1 and saved.stage == 0
 
-            proc, peer_id = await _start_cli_peer(driver, ckpt)  # a fresh peer id, the saved state
-            procs.append(proc)
-            info = await call(driver.p2p, peer_id, INFO, Message({}), timeout_s=10)
+            # resume (in-process, to save a second interpreter start): the saved state, not the seed
+            resumed = StagePeer(peer_config(driver, 0, checkpoint_dir=ckpt))
+            peers.append(resumed)
+            await resumed.start()
+            assert resumed.loaded_from == "checkpoint" and resumed.version == 1
+            info = await call(driver.p2p, resumed.peer_id, INFO, Message({}), timeout_s=10)
             assert info["version"] == 1 and info["stage"] == 0 and info["state"] == "online"
-            children = await asyncio.to_thread(_stop, proc)
-            assert await asyncio.to_thread(_gone, children)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            for p in peers:
+                await p.shutdown()
             await driver.shutdown()
 
     asyncio.run(main())
