@@ -59,6 +59,7 @@ class Attempt:
     started: float
     deadline: float
     state: AttemptState = "inflight"
+    acked: bool = False  # the stage-0 peer acknowledged (validated and queued) the micro-batch
     loss: float | None = None
     got_loss: bool = False
     stats: dict[str, float] = field(default_factory=dict)

@@ -115,8 +115,9 @@ class TrainerConfig:
     """Seconds between re-reads of the stage peers' records."""
     spec_timeout_s: float = 60.0
     """How long to wait for the run spec to appear in the DHT."""
-    call_timeout_s: float = 15.0
-    """Timeout of the FORWARD call to a stage-0 peer (it only acknowledges queueing)."""
+    call_timeout_s: float = 5.0
+    """Timeout of the FORWARD call to a stage-0 peer: it only acknowledges validation and queueing,
+    so raise it only for very slow links (a timeout backs off from that peer)."""
     drain_timeout_s: float = 120.0
     """At the end, how long to wait for micro-batches still in flight before dropping them."""
     stage_wait_s: float | None = None
@@ -500,11 +501,21 @@ class Trainer:
             if self.tasks.error is not None:
                 raise self.tasks.error
             now = self._clock()
-            for attempt in self.ledger.expired(now):
-                self._fail(attempt, reason="timeout", stage=None, peer=None)
+            self._expire(now)
             self._fill(now, open_new=not self._training_done())
             self._show()
             await self._wait(now)
+
+    def _expire(self, now: float) -> None:
+        """Fail attempts past their deadline. One whose stage-0 peer never even acknowledged it
+        names that peer (it is hanging or gone); otherwise the silence names nobody."""
+        for attempt in self.ledger.expired(now):
+            if attempt.acked:
+                self._fail(attempt, reason="timeout", stage=None, peer=None)
+            else:
+                self._fail(
+                    attempt, reason="timeout", stage=0, peer=attempt.route[0], detail="no acknowledgement"
+                )
 
     async def _drain(self) -> None:
         """Wait for micro-batches still in flight (extra work opened near the end) to resolve."""
@@ -513,8 +524,7 @@ class Trainer:
             if self.tasks.error is not None:
                 raise self.tasks.error
             now = self._clock()
-            for attempt in self.ledger.expired(now):
-                self._fail(attempt, reason="timeout", stage=None, peer=None)
+            self._expire(now)
             self._fill(now, open_new=False)
             self._show()
             await self._wait(now)
@@ -525,8 +535,7 @@ class Trainer:
             if self.tasks.error is not None:
                 raise self.tasks.error
             now = self._clock()
-            for attempt in self.ledger.expired(now):
-                self._fail(attempt, reason="timeout", stage=None, peer=None)
+            self._expire(now)
             self._fill(now, open_new=False)
             await self._wait(now)
 
@@ -601,6 +610,7 @@ class Trainer:
                 targets=mb.data["targets"],
                 timeout_s=self.config.call_timeout_s,
             )
+            attempt.acked = True
         except PeerFailure as e:
             self._fail(
                 attempt, reason=classify_failure(e.reason), stage=0, peer=attempt.route[0], detail=str(e)

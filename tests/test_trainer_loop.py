@@ -62,6 +62,7 @@ class SimSwarm:
         self.peers = {s: [pid(n) for n in names] for s, names in peers.items()}
         self.dead: set[str] = set()
         self.silent: set[str] = set()
+        self.hanging: set[str] = set()
         self.hop_s = hop_s
         self.membership = Progress()
         self.peer_id = pid("trainer")
@@ -96,6 +97,9 @@ class SimSwarm:
         assert tokens.shape == (self.spec.micro_batch_size, self.spec.model.seq_len)
         if route[0] in self.dead:
             raise PeerFailure("connection refused", peer=route[0], reason="unreachable")
+        if route[0] in self.hanging:  # a dial that never completes (until the caller's timeout)
+            await asyncio.sleep(timeout_s)
+            raise PeerFailure("timed out", peer=route[0], reason="timeout")
         self.sent_modes.append(mode)
         task = asyncio.get_running_loop().create_task(self._travel(route, mb_id, mode, tokens))
         self._tasks.add(task)
@@ -253,6 +257,21 @@ def test_silent_peer_times_out_and_micro_batches_are_resent(tmp_path):
     mb = summary["micro_batches"]
     assert mb["completed"] == 12 and mb["failures_by_reason"].get("timeout", 0) >= 1
     assert mb["opened"] == mb["completed"] + mb["dropped"]
+
+
+def test_stage0_peer_that_never_acknowledges_is_blamed_at_the_deadline(tmp_path):
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["ok0", "hangs"], 1: ["a1"]})
+    sim.hanging.add(pid("hangs"))
+    trainer = Trainer(config(tmp_path, steps=12, max_inflight=2, call_timeout_s=30.0))
+    summary = run(trainer, sim, spec)
+    mb = summary["micro_batches"]
+    assert mb["completed"] == 12 and mb["failures_by_reason"].get("timeout", 0) >= 1
+    events = read_metrics(tmp_path / "metrics.jsonl", "event")
+    timeouts = [e for e in events if e["event"] == "attempt_failed" and e["reason"] == "timeout"]
+    assert timeouts and all(e["peer"] == pid("hangs") and e["stage"] == 0 for e in timeouts)
+    assert trainer.router.stats[pid("hangs")].failed >= 1  # backed off, not tried again at once
+    assert set(summary["peers_by_stage"]["0"]) == {pid("ok0")}
 
 
 def test_exhausted_attempts_drop_with_reason_and_stage_then_give_up_on_empty_stage(tmp_path):
