@@ -413,12 +413,11 @@ class Trainer:
         self.tokens_per_mb = spec.tokens_per_micro_batch
         # note "staleness cap" (swarm/routing.py): a micro-batch whose forward and backward at a peer are
         # more than max_versions - 1 versions apart is refused. A peer makes a version every `accumulate`
-        # backwards and one more per averaging round, so leave one version for averaging: with k of our
-        # micro-batches at a peer, at most k - 1 others finish in between. The last stage runs its
-        # backward right after its forward and needs no cap.
+        # backwards (and one per averaging round), and backwards may come back out of order, so keep one
+        # version of headroom: with k of our micro-batches at a peer, k - 1 others finish in between.
+        # The last stage runs its backward right after its forward and needs no cap.
         opt = spec.optimizer
-        headroom = 1 if spec.averaging.every_steps else 0
-        cap = None if self.sync else max(1, (opt.max_versions - 1 - headroom) * opt.accumulate + 1)
+        cap = None if self.sync else max(1, (opt.max_versions - 2) * opt.accumulate + 1)
         self.max_per_peer = [cap] * (spec.num_stages - 1) + [None]
         if cfg.tokens is not None:
             target_mbs = math.ceil(cfg.tokens / self.tokens_per_mb)
