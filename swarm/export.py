@@ -16,7 +16,7 @@ How (``export_run``):
    stage without an online peer stops the export before anything is downloaded.
 2. For each stage, download the state of one peer with the path joining peers use:
    ``peer.averaging.StageAverager.load_state`` (hivemind's ``load_state_from_peers`` with the prefix
-   ``<run>_stage<i>``; among the stage's donors it picks the highest weight version). The state is
+   ``<run>_<spec_hash>_stage<i>``; among the stage's donors it picks the highest weight version). The state is
    the peer's *base* parameters and optimizer slots (``StageCompute.export_state``); the export keeps
    the parameters. For ``nesterov`` these are the parameters proper, not the look-ahead weights the
    peer runs forwards with (note "served weights" in peer/optimizer.py).
@@ -633,7 +633,7 @@ def download_stage_states(
         shapes, state_names, layout = _state_layout(spec, module)
         t0 = time.monotonic()
         averager = StageAverager.create(
-            dht, run_id=spec.run_id, stage=stage, shapes=layout, state_fn=_no_state
+            dht, run_id=spec.run_id, spec_hash=spec.spec_hash, stage=stage, shapes=layout, state_fn=_no_state
         )
         try:
             averager.wait_ready(min(30.0, state_timeout_s))

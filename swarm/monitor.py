@@ -64,6 +64,7 @@ __all__ = [
     "render_fragment",
     "render_prometheus",
     "line_chart_svg",
+    "PALETTE",
 ]
 
 logger = logging.getLogger(__name__)
@@ -239,10 +240,11 @@ class MonitorState:
                 "loss": p.get("loss"),
                 "tokens_per_s": float(p.get("tokens_per_s", 0.0)),
                 "trainers": len(p.get("trainers", {})),
+                "losses": {tid: t.get("loss") for tid, t in p.get("trainers", {}).items()},
             }
             # A stalled or idle run adds no point: the curve shows progress, not the poll rate.
             last = history[-1] if history else None
-            if last is None or any(last[k] != sample[k] for k in ("tokens", "steps", "loss", "trainers")):
+            if last is None or any(last[k] != sample[k] for k in ("tokens", "steps", "loss", "losses")):
                 history.append(sample)
             # First sightings: peers that disappeared are forgotten, so a returning peer starts anew.
             old = self._first_seen.get(run_id, {})
@@ -324,33 +326,45 @@ def _nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     return ticks
 
 
+PALETTE = ("#dc2626", "#2563eb", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777")
+MAX_SERIES = len(PALETTE)
+
+
 def line_chart_svg(
-    points: Sequence[tuple[float, float]],
+    series: Sequence[tuple[str, Sequence[tuple[float, float]]]],
     *,
     title: str,
     x_label: str,
-    color: str = "#2563eb",
+    x_range: tuple[float, float] | None = None,
+    palette: Sequence[str] = PALETTE,
     width: int = 520,
     height: int = 220,
 ) -> str:
-    """An inline SVG line chart of ``points`` (x ascending) with round ticks; pure and dependency-free."""
+    """An inline SVG chart of named lines ``[(label, [(x, y), ...]), ...]`` (x ascending), round ticks,
+    a legend when there are several lines; pure and dependency-free. Non-finite points are left out.
+    """
     pad_l, pad_r, pad_t, pad_b = 56, 16, 28, 36
     head = (
         f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
         f'role="img" aria-label="{_esc(title)}" xmlns="http://www.w3.org/2000/svg">'
         f'<text x="{pad_l}" y="18" class="chart-title">{_esc(title)}</text>'
     )
-    pts = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
-    if len(pts) < 2:
+    lines = [
+        (label, [(x, y) for x, y in pts if math.isfinite(x) and math.isfinite(y)])
+        for label, pts in list(series)[:MAX_SERIES]
+    ]
+    lines = [(label, pts) for label, pts in lines if pts]
+    every = [p for _, pts in lines for p in pts]
+    if len(every) < 2:
         msg = "waiting for data: trainers publish progress every few seconds"
         return (
             head
             + f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle" class="chart-empty">{msg}</text></svg>'
         )
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    x0, x1 = min(xs), max(xs)
+    xs, ys = [p[0] for p in every], [p[1] for p in every]
+    x0, x1 = x_range if x_range is not None else (min(xs), max(xs))
     y0, y1 = min(ys), max(ys)
-    if x1 == x0:
+    if x1 <= x0:
         x1 = x0 + 1.0
     if y1 == y0:
         y0, y1 = y0 - max(abs(y0) * 0.05, 1e-3), y1 + max(abs(y1) * 0.05, 1e-3)
@@ -381,12 +395,21 @@ def line_chart_svg(
         f'<text x="{pad_l + plot_w / 2}" y="{height - 4}" text-anchor="middle" class="axis">{_esc(x_label)}</text>'
         f'<rect x="{pad_l}" y="{pad_t}" width="{plot_w}" height="{plot_h}" class="frame"/>'
     )
-    path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
-    parts.append(
-        f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2" stroke-linejoin="round"/>'
-    )
-    lx, ly = pts[-1]
-    parts.append(f'<circle cx="{sx(lx):.1f}" cy="{sy(ly):.1f}" r="3.5" fill="{color}"/>')
+    for i, (label, pts) in enumerate(lines):
+        color = palette[i % len(palette)]
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        parts.append(
+            f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2" '
+            f'stroke-linejoin="round" data-series="{_esc(label)}"/>'
+        )
+        lx, ly = pts[-1]
+        parts.append(f'<circle cx="{sx(lx):.1f}" cy="{sy(ly):.1f}" r="3.5" fill="{color}"/>')
+        if len(lines) > 1:  # legend, top right, one row per line
+            y = pad_t + 14 + 14 * i
+            parts.append(
+                f'<rect x="{width - pad_r - 118}" y="{y - 8}" width="10" height="3" fill="{color}"/>'
+                f'<text x="{width - pad_r - 104}" y="{y - 3}" class="legend">{_esc(label[:18])}</text>'
+            )
     parts.append("</svg>")
     return "".join(parts)
 
@@ -498,12 +521,31 @@ def _render_run(run: Mapping[str, Any]) -> str:
     unit, scale = (
         ("seconds", 1.0) if span < 180 else ("minutes", 60.0) if span < 3 * 3600 else ("hours", 3600.0)
     )
-    loss_pts = [((h["t"] - t0) / scale, h["loss"]) for h in hist if h["loss"] is not None]
-    rate_pts = [((h["t"] - t0) / scale, h["tokens_per_s"]) for h in hist]
+    # One loss line per trainer (the latest trainers when there are more than the palette has).
+    per_trainer: dict[str, list[tuple[float, float]]] = {}
+    for h in hist:
+        for tid, loss in h.get("losses", {}).items():
+            if loss is not None:
+                per_trainer.setdefault(tid, []).append(((h["t"] - t0) / scale, loss))
+    loss_series = sorted(per_trainer.items(), key=lambda kv: kv[1][-1][0])[-MAX_SERIES:]
+    rate_series = [("all trainers", [((h["t"] - t0) / scale, h["tokens_per_s"]) for h in hist])]
     x_label = f"{unit} since the monitor's first sample"
+    x_range = (0.0, span / scale)
     out.append('<div class="charts">')
-    out.append(line_chart_svg(loss_pts, title="loss (mean of trainers)", x_label=x_label, color="#dc2626"))
-    out.append(line_chart_svg(rate_pts, title="tokens/s (all trainers)", x_label=x_label, color="#2563eb"))
+    out.append(
+        line_chart_svg(
+            loss_series, title="loss (last micro-batch of each trainer)", x_label=x_label, x_range=x_range
+        )
+    )
+    out.append(
+        line_chart_svg(
+            rate_series,
+            title="tokens/s (all trainers)",
+            x_label=x_label,
+            x_range=x_range,
+            palette=PALETTE[1:],
+        )
+    )
     out.append("</div>")
     trainers = p.get("trainers", {})
     if trainers:
@@ -581,7 +623,7 @@ tr.total td { color:var(--dim); font-size:12px; }
 svg.chart { background:var(--card); border:1px solid var(--line); border-radius:8px; max-width:100%; height:auto; }
 svg .chart-title { font-size:13px; font-weight:600; fill:var(--fg); } svg .tick { font-size:11px; fill:var(--dim); }
 svg .axis { font-size:11px; fill:var(--dim); } svg .grid { stroke:#eef2f7; } svg .frame { fill:none; stroke:var(--line); }
-svg .chart-empty { font-size:12px; fill:var(--dim); }
+svg .chart-empty { font-size:12px; fill:var(--dim); } svg .legend { font-size:11px; fill:var(--fg); }
 .banner { background:#eff6ff; border:1px solid #bfdbfe; padding:8px 12px; border-radius:8px; }
 .banner.bad { background:#fef2f2; border-color:#fecaca; color:var(--bad); }
 footer { color:var(--dim); font-size:12px; margin-top:8px; } a { color:#2563eb; }
@@ -633,7 +675,8 @@ def render_prometheus(snapshot: Mapping[str, Any]) -> str:
         if value is None or not math.isfinite(float(value)):
             return
         rendered = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-        families.setdefault(name, (help_text, []))[1].append(f"{name}{{{rendered}}} {float(value):.10g}")
+        sample = f"{name}{{{rendered}}}" if rendered else name
+        families.setdefault(name, (help_text, []))[1].append(f"{sample} {float(value):.10g}")
 
     mon = snapshot["monitor"]
     gauge("swarm_monitor_polls", "DHT reads done by this monitor", {}, mon["polls"])

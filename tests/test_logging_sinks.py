@@ -163,6 +163,7 @@ def _wandb_records(path):
     return out
 
 
+@pytest.mark.slow  # starts W&B's wandb-core service process
 def test_wandb_offline_run_records_the_metrics_and_config(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional: pip install wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -132,6 +133,8 @@ def test_state_keeps_a_bounded_history_and_first_sightings():
         state.update([(_status(spec, peers, tokens=2048 * (i + 1), loss=4.0 - i * 0.1, tps=20.0), spec)])
     run = state.snapshot()["runs"][0]
     assert [h["tokens"] for h in run["history"]] == [6144, 8192, 10240], "oldest samples are dropped"
+    assert [h["losses"] for h in run["history"]] == [{"t1": pytest.approx(x)} for x in (3.8, 3.7, 3.6)]
+    assert 'data-series="t1"' in render_page(state.snapshot())  # the trainer's loss line
 
     # b leaves stage 1 and comes back: its "seen for" starts again; a's keeps counting.
     state.update([(_status(spec, [peers[0], [], []]), spec)])
@@ -211,23 +214,36 @@ def test_prometheus_text_has_typed_gauges_and_escaped_labels():
     assert samples['swarm_run_bytes_per_token{run="tiny",kind="uncompressed"}'] == 1024
     # Every sample line belongs to a family declared just before it.
     declared = {line.split()[2] for line in lines if line.startswith("# TYPE")}
-    assert all(line.split("{")[0] in declared for line in lines if not line.startswith("#"))
+    assert all(re.split(r"[{ ]", line)[0] in declared for line in lines if not line.startswith("#"))
+    assert "swarm_monitor_polls 1" in lines  # no empty braces on unlabelled samples
 
 
 def test_chart_is_valid_svg_and_says_when_it_waits_for_data():
-    empty = line_chart_svg([(0.0, 1.0)], title="loss", x_label="minutes")
+    ns = "{http://www.w3.org/2000/svg}"
+    empty = line_chart_svg([("t1", [(0.0, 1.0)])], title="loss", x_label="minutes")
     assert "waiting for data" in empty
     ET.fromstring(empty)
-    svg = line_chart_svg(
-        [(0.0, 5.5), (1.0, 4.0), (2.5, 3.1), (3.0, float("nan"))], title="loss <1>", x_label="m"
-    )
-    root = ET.fromstring(svg)
-    ns = "{http://www.w3.org/2000/svg}"
+    pts = [(0.0, 5.5), (1.0, 4.0), (2.5, 3.1), (3.0, float("nan"))]
+    root = ET.fromstring(line_chart_svg([("t1", pts)], title="loss <1>", x_label="m"))
     [line] = root.iter(f"{ns}polyline")
     assert len(line.get("points").split()) == 3  # the NaN point is left out
     assert any(t.text == "loss <1>" for t in root.iter(f"{ns}text"))
-    flat = line_chart_svg([(0.0, 2.0), (1.0, 2.0)], title="flat", x_label="m")  # zero range: no division by 0
+    assert not [t for t in root.iter(f"{ns}text") if t.get("class") == "legend"], "one line: no legend"
+    flat = line_chart_svg([("t1", [(0.0, 2.0), (1.0, 2.0)])], title="flat", x_label="m")  # zero y range
     ET.fromstring(flat)
+    # Several trainers: one line each, with a legend; a shared x range places them in time.
+    two = ET.fromstring(
+        line_chart_svg(
+            [("a", [(0.0, 3.0), (1.0, 2.0)]), ("b<", [(5.0, 4.0), (6.0, 3.5)])],
+            title="loss",
+            x_label="s",
+            x_range=(0.0, 10.0),
+        )
+    )
+    lines = list(two.iter(f"{ns}polyline"))
+    assert [x.get("data-series") for x in lines] == ["a", "b<"]
+    assert float(lines[1].get("points").split()[0].split(",")[0]) > 250  # x = 5 of 0..10 is mid-plot
+    assert {t.text for t in two.iter(f"{ns}text") if t.get("class") == "legend"} == {"a", "b<"}
 
 
 # ------------------------------------------------------------------------------ the HTTP server
