@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -31,6 +32,7 @@ from swarm.subspace import (
 
 # sha256 prefix of U's and E_fix's bytes for spec(); see test_basis_recipe_is_pinned.
 GOLDEN_SUBSPACE = "152f19e76dc55c56"
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 # spec_hash of examples/tiny.yaml before the subspace option existed (it must not change).
 TINY_HASH = "d01619ef1267d0ce"
 
@@ -98,7 +100,7 @@ def test_specs_without_subspace_keep_their_hash():
     assert "subspace" not in plain.to_dict()["model"]
     assert b"subspace" not in plain.canonical_bytes()
     assert RunSpec.from_dict({**spec_dict(), "model": {**spec_dict()["model"], "subspace": None}}) == plain
-    assert RunSpec.from_yaml("examples/tiny.yaml").spec_hash == TINY_HASH
+    assert RunSpec.from_yaml(EXAMPLES / "tiny.yaml").spec_hash == TINY_HASH
 
 
 def test_subspace_is_part_of_the_hash_and_round_trips():
@@ -112,7 +114,7 @@ def test_subspace_is_part_of_the_hash_and_round_trips():
 
 
 def test_example_spec_loads():
-    s = RunSpec.from_yaml("examples/subspace.yaml")
+    s = RunSpec.from_yaml(EXAMPLES / "subspace.yaml")
     assert s.model.subspace_rank is not None and s.num_stages >= 2
 
 
