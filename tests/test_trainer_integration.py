@@ -15,6 +15,7 @@ import pytest
 
 from swarm.demo import Demo, DemoConfig
 from swarm.generation import GenerateConfig, generate
+from swarm.metrics import read_metrics
 from swarm.spec import RunSpec
 from swarm.trainer import Trainer, TrainerConfig
 
@@ -81,6 +82,29 @@ def test_two_stages_two_peers_loss_falls_and_everything_is_accounted(swarm, tmp_
     assert summary["bytes_per_token"] and summary["compression_ratio"] > 3  # blockwise8 vs fp32
     for name in ("metrics.jsonl", "loss.png", "summary.json"):
         assert (tmp_path / name).stat().st_size > 0
+    evals = read_metrics(tmp_path / "metrics.jsonl", "eval")  # held-out loss, forward only through the swarm
+    assert [e["step"] for e in evals] == [20, 40] and all(e["eval_loss"] for e in evals)
+    assert evals[-1]["eval_loss"] < 5.0
+
+
+def test_two_trainers_feed_one_run_and_share_progress(swarm, tmp_path):
+    trainers = [
+        trainer_for(swarm, tmp_path / name, steps=12, seed=i, trainer_id=name, max_inflight=2)
+        for i, name in enumerate(("alice", "bob"))
+    ]
+
+    async def both():
+        return await asyncio.gather(*(t.run() for t in trainers))
+
+    summaries = asyncio.run(both())
+    assert [s["micro_batches"]["completed"] for s in summaries] == [12, 12]
+    progress = swarm.boot.membership.progress()  # what `swarm status` shows
+    tokens = 12 * swarm.spec.tokens_per_micro_batch
+    assert {k: v["tokens"] for k, v in progress["trainers"].items() if k in ("alice", "bob")} == {
+        "alice": tokens,
+        "bob": tokens,
+    }
+    assert progress["tokens"] >= 2 * tokens
 
 
 def test_straggler_receives_clearly_fewer_micro_batches(swarm, tmp_path):
