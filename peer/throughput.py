@@ -2,8 +2,8 @@
 
 The number is what the peer announces and what placement and routing weigh peers by, so it must be
 measured the way the peer will compute: the stage's real module, one micro-batch of the run's
-shape, forward and backward, under the same autocast. It is a short benchmark (one warm-up, then
-repeats until ``budget_s``; under 2 s on CPU by default) and is cached per (device name, spec hash,
+shape, forward and backward, under the same autocast. It is a short benchmark (a one-sequence
+warm-up, then timed passes for about half of ``budget_s``; under 2 s on CPU by default) and is cached per (device name, spec hash,
 stage) in ``~/.cache/swarmpipe/throughput.json``, so restarts are instant. Delete that file to
 re-measure (e.g. after changing hardware drivers).
 """
@@ -41,17 +41,24 @@ def device_name(device: torch.device) -> str:
 
 
 def _bench(spec: RunSpec, stage: int, device: torch.device, budget_s: float) -> float:
+    """Tokens/s of forward+backward, spending about ``budget_s`` seconds in total.
+
+    The first (warm-up) pass uses one sequence; its time picks how many sequences the timed passes
+    use (up to the run's micro-batch size), so a slow CPU measures on fewer sequences instead of
+    overrunning the budget, and a GPU measures on full micro-batches.
+    """
     module = build_stage(spec, stage, device=device)
     amp = autocast_dtype(spec, device)
-    batch, seq = spec.micro_batch_size, spec.model.seq_len
+    seq = spec.model.seq_len
     gen = torch.Generator().manual_seed(0)
-    if stage == 0:
-        x = torch.randint(0, spec.model.vocab_size, (batch, seq), generator=gen).to(device)
-    else:
-        x = torch.randn(batch, seq, spec.model.d_model, generator=gen).to(device).requires_grad_(True)
-    targets = torch.randint(0, spec.model.vocab_size, (batch, seq), generator=gen).to(device)
 
-    def once() -> None:
+    def once(batch: int) -> float:
+        if stage == 0:
+            x = torch.randint(0, spec.model.vocab_size, (batch, seq), generator=gen).to(device)
+        else:
+            x = torch.randn(batch, seq, spec.model.d_model, generator=gen).to(device).requires_grad_(True)
+        targets = torch.randint(0, spec.model.vocab_size, (batch, seq), generator=gen).to(device)
+        t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
             out = module(x)
         loss = lm_loss(out, targets) if module.is_last else out.float().square().mean()
@@ -59,16 +66,16 @@ def _bench(spec: RunSpec, stage: int, device: torch.device, budget_s: float) -> 
         module.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
 
-    once()  # warm-up: allocator, kernels, lazy init
-    reps, t0 = 0, time.perf_counter()
-    while True:
-        once()
-        reps += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= budget_s / 2 or reps >= 20:
-            break
-    return batch * seq * reps / elapsed
+    once(1)  # warm-up: allocator, kernels, lazy init
+    one = once(1)
+    batch = max(1, min(spec.micro_batch_size, int(budget_s / 4 / max(one, 1e-6))))
+    tokens, spent = 0, 0.0
+    while spent < budget_s / 2 and tokens < 20 * batch * seq:
+        spent += once(batch)
+        tokens += batch * seq
+    return tokens / spent
 
 
 def measure_throughput(
