@@ -372,13 +372,6 @@ def test_monitor_page_of_a_live_swarm_in_a_headless_browser(tmp_path):
     from swarm.network import DHTConfig, start_dht
 
     chromium = _chromium()
-    import hivemind  # noqa: F401  (sets torch's sharing strategy on import; reset it below)
-    import torch.multiprocessing
-
-    # hivemind's MPFuture allocates shared memory under the "file_system" strategy, which starts a
-    # torch_shm_manager daemon that outlives the test (conftest counts it as a leftover); the
-    # default "file_descriptor" strategy needs no daemon and serves DHT calls the same.
-    torch.multiprocessing.set_sharing_strategy("file_descriptor")
     spec = _spec(3)
     boot = Bootstrap(BootstrapConfig(spec=spec, refresh_interval_s=5.0))
     dhts: list = []
