@@ -8,6 +8,8 @@ Map of modules:
 - ``bootstrap``, ``status``: the node behind ``swarm init`` and the per-stage status view.
 - ``routing``, ``data``, ``trainer``, ``metrics``: the trainer that drives micro-batches through routes.
 - ``demo``: the local swarm behind ``swarm demo`` / ``make demo``.
+- ``export``, ``monitor``, ``logging_sinks``: getting the model out, a live web page, TensorBoard/W&B.
+- ``subspace``: subspace-constrained models and their exact stage-boundary coding.
 - ``errors``: the exception hierarchy for user and peer input; ``version``: the software version.
 - ``cli`` and ``commands/``: the ``swarm`` command line.
 
@@ -36,6 +38,7 @@ _LAZY = {
     "should_move": "swarm.placement",
     "Trainer": "swarm.trainer",
     "TrainerConfig": "swarm.trainer",
+    "load_model": "swarm.export",
 }
 
 __all__ = [
