@@ -15,9 +15,11 @@ and its p2pd) a third of the way through, and a fresh peer is started for the sa
 summary shows micro-batches re-sent around the dead peer. At the end ``OUT/`` holds metrics.jsonl,
 loss.png, status.json (what ``swarm status`` would show) and summary.json.
 
-Shutdown (note "no leftovers"): in ``finally``, every peer group gets SIGTERM, then SIGKILL after
-``grace_s``; the bootstrap and trainer DHTs are shut down. SIGTERM to the demo itself is turned
-into ``KeyboardInterrupt`` so the same ``finally`` runs for Ctrl-C and for ``kill``.
+Shutdown (note "no leftovers"): in ``finally``, every peer process gets SIGTERM (it stops its
+own DHT, averager and p2pd in order), then its whole process group gets SIGKILL after ``grace_s``
+(whatever is left, also of a peer killed by chaos); the bootstrap and trainer DHTs are shut down.
+SIGTERM to the demo itself is turned into ``KeyboardInterrupt`` so the same ``finally`` runs for
+Ctrl-C and for ``kill``.
 """
 
 from __future__ import annotations
@@ -117,8 +119,8 @@ class DemoConfig:
     """Extra flags for the peer with this start index (stage * peers_per_stage + j), e.g. a slowdown."""
     start_timeout_s: float = 180.0
     """How long the peers may take to come online (imports, weights, throughput measurement)."""
-    grace_s: float = 5.0
-    """Seconds between SIGTERM and SIGKILL at shutdown."""
+    grace_s: float = 10.0
+    """Seconds a peer may take to stop after SIGTERM (it drains, then stops its DHT) before SIGKILL."""
     torch_threads: int | None = None
     """OMP/MKL threads per peer process (None = CPU count / number of peers, at least 1)."""
     quiet: bool = False
@@ -464,7 +466,10 @@ class Demo:
         """SIGTERM every peer group, SIGKILL what is left after ``grace_s``; stop the bootstrap."""
         live = [p for p in self.peers if p.popen.poll() is None]
         for p in live:
-            _kill_group(p.pid, signal.SIGTERM)
+            # the peer process only: it stops its own DHT, averager and p2pd in order. SIGTERM to the
+            # whole group would kill those under it first and leave it hanging on a dead daemon.
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.config.grace_s
         for p in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
