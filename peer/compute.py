@@ -87,6 +87,8 @@ class StageCompute:
         device: torch.device | str = "cpu",
         clock: Callable[[], float] = time.monotonic,
     ):
+        from swarm.subspace import make_boundary
+
         self.spec = spec
         self.stage = stage
         self.device = torch.device(device)
@@ -98,6 +100,10 @@ class StageCompute:
         for p in self.module.parameters():
             p.data = torch.empty(0, device=self.device)
         self.autocast = autocast_dtype(spec, self.device)
+        # What crosses a stage boundary (see swarm/subspace.py): subspace coefficients (B, T, k) in a
+        # subspace-constrained run, the hidden state itself otherwise. Applied on the compute device.
+        self.boundary = make_boundary(spec, self.device)
+        self.width = self.boundary.width
         self.versions = WeightVersions(spec.optimizer.max_versions)
         self.version = 0
         self.versions.reset(0, self.optimizer.served())
@@ -125,6 +131,25 @@ class StageCompute:
         with self._autocast():
             return functional_call(self.module, params, (x,))
 
+    def _tokens(self, tokens: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """Token ids for the boundary; only a subspace boundary reads them."""
+        if tokens is None:
+            if self.boundary.needs_tokens:
+                raise RequestError("this run's subspace boundary needs the micro-batch's token ids")
+            return like.new_zeros(like.shape[:2], dtype=torch.long)  # unused by the identity boundary
+        return tokens.to(self.device)
+
+    def _decode_input(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.width:
+            raise RequestError(
+                f"stage {self.stage} takes (B, T, {self.width}) from the previous stage, got {tuple(x.shape)}"
+            )
+        return self.boundary.decode_activation(x, self._tokens(tokens, x))
+
+    def _encode_grad(self, grad_input: torch.Tensor) -> torch.Tensor:
+        """Input gradient (B, T, C) -> what goes back to the previous stage (B, T, width), float32 CPU."""
+        return self.boundary.encode_grad(grad_input.detach()).float().cpu()
+
     def forward_allowed(self) -> bool:
         """The runtime's forward gate: False in sync mode once this step's forwards have all started."""
         if not self.sync:
@@ -148,9 +173,11 @@ class StageCompute:
         mode: Mode,
         *,
         targets: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
         context: Any = None,
     ) -> ForwardResult:
-        """Run the stage on ``x`` (token ids ``(B, T)`` on stage 0, hidden ``(B, T, C)`` elsewhere)."""
+        """Run the stage on ``x``: token ids ``(B, T)`` on stage 0, elsewhere what crossed the boundary
+        ``(B, T, width)`` (the hidden state, or subspace coefficients rebuilt with ``tokens``)."""
         train = mode == "train"
         if self.is_last and mode != "generate" and targets is None:
             raise RequestError(f"stage {self.stage} is the last stage: mode {mode!r} needs targets")
@@ -165,6 +192,8 @@ class StageCompute:
         t0 = time.perf_counter()
         try:
             x = self._to_device(x)
+            if not self.is_first:
+                x = self._decode_input(x, tokens)  # (B, T, width) -> (B, T, C)
             if self.is_last and train:
                 return self._last_stage_train(mb_id, x, targets, version, params, t0)
             if not train or self.spec.optimizer.recompute:
@@ -186,10 +215,11 @@ class StageCompute:
                 if mode == "generate":
                     result.logits_last = logits[:, -1, :].detach().cpu()  # (B, vocab)
             else:
-                result.output = out.detach().float().cpu()  # (B, T, C)
+                sent = self.boundary.encode_activation(out.detach(), self._tokens(tokens, out))
+                result.output = sent.float().cpu()  # (B, T, width)
             if train:
                 entry = self.stash.new_entry(
-                    mb_id, version, x, output_shape=tuple(out.shape), graph=graph, context=context
+                    mb_id, version, x, output_shape=tuple(result.output.shape), graph=graph, context=context
                 )
                 with self.lock:
                     self.stash.put(entry)
@@ -219,7 +249,7 @@ class StageCompute:
             inputs = list(leaves.values()) + ([x_leaf] if x_leaf is not None else [])
             grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         param_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
-        grad_input = grads[-1].detach().float().cpu() if x_leaf is not None else None
+        grad_input = self._encode_grad(grads[-1]) if x_leaf is not None else None
         with self.lock:
             self.optimizer.accumulate(param_grads, staleness=self.version - version)
             stepped = self._maybe_step()
@@ -294,16 +324,16 @@ class StageCompute:
             x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
             with torch.enable_grad():
                 out = self._run(leaves, x if x_leaf is None else x_leaf)
-        if tuple(grad_output.shape) != tuple(out.shape):
+        if tuple(grad_output.shape) != entry.output_shape:
             raise RequestError(
-                f"gradient of shape {tuple(grad_output.shape)} does not match this stage's output "
-                f"{tuple(out.shape)} for micro-batch {entry.mb_id!r}"
+                f"gradient of shape {tuple(grad_output.shape)} does not match what this stage sent, "
+                f"{entry.output_shape}, for micro-batch {entry.mb_id!r}"
             )
-        grad_output = self._to_device(grad_output).to(out.dtype)
+        grad_output = self.boundary.decode_grad(self._to_device(grad_output))  # (B, T, width) -> (B, T, C)
         inputs = list(leaves.values()) + ([x_leaf] if x_leaf is not None else [])
-        grads = torch.autograd.grad(out, inputs, grad_outputs=grad_output, allow_unused=True)
+        grads = torch.autograd.grad(out, inputs, grad_outputs=grad_output.to(out.dtype), allow_unused=True)
         param_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
-        grad_input = grads[-1].detach().float().cpu() if x_leaf is not None else None
+        grad_input = self._encode_grad(grads[-1]) if x_leaf is not None else None
         return grad_input, param_grads
 
     # ---- steps, drops, expiry ------------------------------------------------------------------

@@ -561,7 +561,8 @@ class StagePeer:
             info = header_info(payload, max_decoded_bytes=cap)
             if tuple(info["shape"]) != shape:
                 raise RequestError(
-                    f"{what} payload has shape {tuple(info['shape'])}, expected {shape} (batch, seq, d_model)"
+                    f"{what} payload has shape {tuple(info['shape'])}, expected {shape} (batch, seq, width): "
+                    "width is d_model, or the subspace rank k in a subspace-constrained run"
                 )
             tensor = decode_any(payload, max_decoded_bytes=cap)
         except CodecError as e:
@@ -610,14 +611,14 @@ class StagePeer:
                     raise RequestError("stage 0 takes token ids from the header; the payload must be empty")
                 x = tokens
             else:
-                shape = (h.batch, h.seq, model.d_model)
+                shape = (h.batch, h.seq, compute.width)  # width = d_model, or k in a subspace run
                 x = await asyncio.to_thread(self._decode, message.payload, shape, "forward")
             if h.mode == "train" and h.mb_id in compute.stash:
                 raise RequestError(
                     f"micro-batch {h.mb_id!r} is already in flight here; every attempt needs a new mb_id"
                 )
             n = self.queue.submit(
-                "forward", lambda waited: self._forward_task(compute, h, x, targets, waited)
+                "forward", lambda waited: self._forward_task(compute, h, x, tokens, targets, waited)
             )
         except RequestError:
             self.counters["refused"] += 1
@@ -660,12 +661,13 @@ class StagePeer:
         compute: StageCompute,
         h: ForwardHeader,
         x: torch.Tensor,
+        tokens: torch.Tensor,
         targets: torch.Tensor | None,
         waited: float,
     ) -> None:
         """Worker thread: run one forward; any failure becomes a ``failed`` report, never silence."""
         try:
-            self._run_forward(compute, h, x, targets, waited)
+            self._run_forward(compute, h, x, tokens, targets, waited)
         except (ValueError, RuntimeError) as e:  # RequestError, CodecError; RuntimeError: e.g. CUDA OOM
             compute.drop(h.mb_id)
             if not isinstance(e, RequestError):
@@ -678,13 +680,14 @@ class StagePeer:
         compute: StageCompute,
         h: ForwardHeader,
         x: torch.Tensor,
+        tokens: torch.Tensor,
         targets: torch.Tensor | None,
         waited: float,
     ) -> None:
         s = compute.stage
         if self.config.slowdown_s > 0:
             time.sleep(self.config.slowdown_s)  # the documented artificial straggler delay
-        res = compute.forward(h.mb_id, x, h.mode, targets=targets, context=h)
+        res = compute.forward(h.mb_id, x, h.mode, targets=targets, tokens=tokens, context=h)
         self.counters["forwards"] += 1
         stats = dict(h.stats)
         stats[f"fwd_compute_s_{s}"] = res.compute_s

@@ -37,12 +37,13 @@ from swarm.spec import RunSpec
 pytestmark = pytest.mark.slow
 
 
-def tiny_spec(run_id: str, stages: int = 3, **optimizer) -> RunSpec:
+def tiny_spec(run_id: str, stages: int = 3, subspace: dict | None = None, **optimizer) -> RunSpec:
     opt = {"name": "adamw", "lr": 1e-2, "mode": "sync", "accumulate": 1, "clip_norm": 1.0} | optimizer
+    model = {"vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 16}
     return RunSpec.from_dict(
         {
             "run_id": run_id,
-            "model": {"vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 16},
+            "model": model if subspace is None else model | {"subspace": subspace},
             "stages": stages,
             "codecs": {"activations": "none", "gradients": "none"},
             "optimizer": opt,
@@ -158,8 +159,10 @@ def _batch(seed: int, spec: RunSpec):
     return data[:, :-1], data[:, 1:]
 
 
-def test_three_stage_route_equals_whole_model(tmp_path):
-    spec = tiny_spec("pipe3")
+@pytest.mark.parametrize("subspace", [None, {"rank": 8}], ids=["dense", "subspace"])
+def test_three_stage_route_equals_whole_model(tmp_path, subspace):
+    # subspace: boundaries send k = 8 coefficients per token instead of d_model = 32 (swarm/subspace.py)
+    spec = tiny_spec("pipe3" if subspace is None else "pipe3sub", subspace=subspace)
 
     async def main():
         driver = Driver(spec)
@@ -186,7 +189,11 @@ def test_three_stage_route_equals_whole_model(tmp_path):
                 assert got["loss"][0].loss == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
                 assert got["loss"][0].n_tokens == tokens.numel()
                 done = got["done"][0]
-                assert done.stage == 0 and done.stats["fwd_bytes_0"] > 0 and "bwd_compute_s_1" in done.stats
+                assert done.stage == 0 and "bwd_compute_s_1" in done.stats
+                width = spec.model.d_model if subspace is None else subspace["rank"]
+                payload = tokens.numel() * width * 4  # codec "none": float32 plus a small header
+                assert payload < done.stats["fwd_bytes_0"] < payload + 256
+                assert payload < done.stats["bwd_bytes_1"] < payload + 256
                 with torch.no_grad():
                     for opt, ps in zip(ref_opts, params, strict=True):
                         opt.accumulate({n: p.grad for n, p in ps.items()})
