@@ -52,18 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {name}, autocast {autocast_dtype(spec, device)}, stage {args.stage} "
           f"(layers {spec.stage_layers(args.stage)}), optimizer {spec.optimizer.name} ({spec.optimizer.mode})")  # fmt: skip
 
-    b, t, c = spec.micro_batch_size, spec.model.seq_len, spec.model.d_model
+    b, t = spec.micro_batch_size, spec.model.seq_len
     gen = torch.Generator().manual_seed(0)
     done = threading.Event()
     finished = [0]
 
     def forward_then_backward(i: int) -> None:
-        if compute.is_first:
-            x = torch.randint(0, spec.model.vocab_size, (b, t), generator=gen)
-        else:
-            x = torch.randn(b, t, c, generator=gen)
+        tokens = torch.randint(0, spec.model.vocab_size, (b, t), generator=gen)
+        # what arrives from the previous stage: (B, T, width), width = d_model or the subspace rank
+        x = tokens if compute.is_first else torch.randn(b, t, compute.width, generator=gen)
         targets = torch.randint(0, spec.model.vocab_size, (b, t), generator=gen)
-        res = compute.forward(f"mb{i}", x, "train", targets=targets)
+        res = compute.forward(f"mb{i}", x, "train", targets=targets, tokens=tokens)
         if not compute.is_last:  # the gradient of our output would come from the next stage
             compute.backward(f"mb{i}", torch.randn(res.output.shape, generator=gen) * 1e-3)
         finished[0] += 1
