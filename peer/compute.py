@@ -17,6 +17,12 @@ Sync mode (``optimizer.mode == "sync"``): at most ``accumulate`` training forwar
 backwards have all arrived (or were dropped). So every gradient of a step is computed on the same
 version, exactly like a synchronous pipeline.
 
+Stage boundaries: what a stage sends on and receives back goes through ``swarm.subspace``'s
+``Boundary`` on the compute device: in a subspace-constrained run the ``k`` coefficients
+``U^T (h - E_fix[tokens])`` forward and ``U^T g`` backward (``width = k``), otherwise the hidden
+state itself (``width = d_model``). So ``forward`` takes ``(B, T, width)`` plus the token ids and
+``backward`` takes and returns ``(B, T, width)`` tensors.
+
 Thread-safety: the worker thread calls forward/backward; other threads (averaging, state download,
 checkpoints) call :meth:`export_state`, :meth:`apply_average`. Every access to versions, stash and
 optimizer state happens under :attr:`lock`; the matmuls themselves run outside it on immutable
@@ -48,10 +54,11 @@ Params = dict[str, torch.Tensor]
 
 @dataclass
 class ForwardResult:
-    """What a forward produced. ``output``: hidden ``(B, T, C)`` float32 on CPU (not on the last stage).
+    """What a forward produced. ``output``: what crosses the boundary to the next stage, ``(B, T, width)``
+    float32 on CPU (the hidden state, or its subspace coefficients; not on the last stage).
 
     Last stage: ``loss`` (train/eval), ``logits_last`` ``(B, vocab)`` float32 (generate), and in train
-    mode ``grad_input`` ``(B, T, C)`` (None when the stage is also stage 0) plus ``stepped``.
+    mode ``grad_input`` ``(B, T, width)`` (None when the stage is also stage 0) plus ``stepped``.
     """
 
     version: int
@@ -66,7 +73,8 @@ class ForwardResult:
 
 @dataclass
 class BackwardResult:
-    """``grad_input`` ``(B, T, C)`` float32 on CPU, or None on stage 0 (token ids have no gradient)."""
+    """``grad_input`` ``(B, T, width)`` float32 on CPU (what goes back across the boundary), or None on
+    stage 0 (token ids have no gradient)."""
 
     version: int  # the stashed version the gradient was computed with
     compute_s: float
@@ -276,7 +284,8 @@ class StageCompute:
         return entry
 
     def backward(self, mb_id: str, grad_output: torch.Tensor) -> BackwardResult:
-        """Gradient of the stage input for ``grad_output`` (``(B, T, C)``, the gradient of our output).
+        """Gradient of the stage input for ``grad_output`` (``(B, T, width)``: the gradient of our output
+        as it crossed the boundary).
 
         Uses the version the forward used; raises ``VersionEvicted`` (a ``RequestError``) if it is
         gone, and ``RequestError`` if the micro-batch is unknown. Either way the entry is dropped.
@@ -315,7 +324,7 @@ class StageCompute:
     def _backward_math(
         self, entry: StashEntry, params: Params, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, Params]:
-        """Input gradient ``(B, T, C)`` (None on stage 0) and parameter gradients for one stashed forward."""
+        """Input gradient ``(B, T, width)`` (None on stage 0) and parameter gradients for one stashed forward."""
         if entry.graph is not None:
             out, x_leaf, leaves = entry.graph
         else:  # recompute the forward with the stashed version's weights
