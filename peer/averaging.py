@@ -144,7 +144,11 @@ class StageAverager:
 
     def load_state(self, timeout_s: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Download ``(meta, tensors)`` from a donor of this stage, or None when there is none."""
-        result = self._averager.load_state_from_peers(wait=True, timeout=timeout_s)
+        try:
+            result = self._averager.load_state_from_peers(wait=True, timeout=timeout_s)
+        except TimeoutError:  # a donor that stalls mid-download; the caller decides whether to retry
+            logger.info("state download for %s timed out after %.0f s", self.prefix, timeout_s)
+            return None
         if result is None:
             return None
         meta, tensors = result
