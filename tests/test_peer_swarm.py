@@ -121,6 +121,11 @@ def test_a_moved_peer_serves_its_new_stage_with_current_weights():
             assert c.version == a.version and distance(c, a) == 0.0
             await train(driver, [c.peer_id, b.peer_id], [3])  # it serves stage 0 now
             assert c.version == 3
+            # --stage auto: a joiner claims the weakest stage (0: 1 + 10 tok/s vs 12) with its state
+            await start_peers(driver, [peer_config(driver, "auto", throughput=10.0)], peers)
+            d = peers[3]
+            assert d.stage == 0 and d.loaded_from == "peer"
+            assert min(distance(d, p) for p in (a, c) if p.version == d.version) == 0.0
         finally:
             await stop_all(peers, driver)
 
