@@ -209,3 +209,118 @@ def test_baseline_configs_name_the_rule():
         PipeConfig(spec_path="x", schedule="zb")
     with pytest.raises(ConfigError, match="accumulate"):
         SingleConfig(spec_path="x", accumulate=0)
+
+
+# ------------------------------------------------------------------------------ links benchmark
+
+
+def test_links_plan_covers_the_issue_matrix():
+    from benchmarks.links import ALL_CODECS, LinksConfig, plan
+
+    cfg = LinksConfig(rates=("none", "100mbit", "20mbit"))
+    jobs = plan(cfg)
+    names = [j.name for j in jobs]
+    assert len(names) == len(set(names))  # one run per (kind, rate, codec, mode, schedule)
+    conv = [j for j in jobs if "convergence" in j.purposes]
+    assert {(j.codec, j.mode) for j in conv} == {(c, m) for c in ALL_CODECS for m in ("sync", "async")}
+    assert all(j.rate == "none" and j.micro_batches == cfg.convergence_mb for j in conv)
+    for rate in ("none", "100mbit", "20mbit"):
+        for schedule in ("gpipe", "1f1b"):
+            assert f"pipelining {schedule} @ {rate}" in names
+        assert f"swarm blockwise8 async @ {rate}" in names
+    assert {j.codec for j in jobs if "codecs" in j.purposes} == set(ALL_CODECS)
+    assert "single process, 1 thread(s)" in names
+
+
+def test_links_config_rules():
+    from benchmarks.links import LinksConfig
+
+    with pytest.raises(ConfigError, match="multiple of accumulate"):
+        LinksConfig(throughput_mb=10, accumulate=4)
+    with pytest.raises(ConfigError, match="loopback"):
+        LinksConfig(loopback=True, rates=("none", "20mbit"))
+    with pytest.raises(ConfigError, match="kbit, mbit or gbit"):
+        LinksConfig(rates=("fast",))
+
+
+def test_swarm_figures_windows_and_target():
+    from benchmarks.links import swarm_figures, tokens_to_target
+
+    # 1 micro-batch = 10 tokens, one step record per micro-batch, 2 s each; warm-up 2, window 2.
+    records = [
+        {"type": "step", "tokens": 10 * i, "time": 2.0 * i, "loss": 5.0 - 0.1 * i} for i in range(1, 9)
+    ]
+    records.append({"type": "eval", "eval_loss": 4.4})
+    fig = swarm_figures(
+        records, {"micro_batches": {"completed": 8}}, tokens_per_mb=10, warmup_mb=2, window_mb=2
+    )
+    assert fig["window_rates"] == [5.0, 5.0, 5.0]  # 20 tokens per 4 s
+    assert fig["tokens_per_s"] == 5.0 and fig["eval_loss"] == 4.4 and fig["tokens"] == 80
+    assert tokens_to_target(fig["losses"], 4.45) == 70  # 3-step means: 4.5 at 60 tokens, 4.4 at 70
+    assert tokens_to_target(fig["losses"], 1.0) is None
+
+
+def test_markdown_section_replaces_only_its_own(tmp_path):
+    from benchmarks.links import SECTION, write_markdown
+
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\n## Codecs\n\nkeep me\n\n## Links\n\nold\n\n## Other\n\nkeep too\n")
+    write_markdown(f"{SECTION}\n\nnew\n", md)
+    text = md.read_text()
+    assert "keep me" in text and "keep too" in text and "new" in text and "old" not in text
+    assert text.index("## Codecs") < text.index("## Links") < text.index("## Other")
+
+
+@pytest.mark.slow
+def test_links_benchmark_smoke(tiny_spec, tmp_path):
+    """The whole benchmark on a tiny model: the swarm (bootstrap, peers, trainer as processes), both
+    baselines, analysis, plots and the markdown section. Inside the lab (shaped) when it can run here."""
+    from benchmarks.links import Job, LinksConfig, markdown_section, run_all
+
+    shaped = _REASON is None
+    rate = "20mbit" if shaped else "none"
+    cfg = LinksConfig(
+        spec_path=tiny_spec,
+        rates=("none", rate) if shaped else ("none",),
+        sweep_rate=rate,
+        accumulate=2,
+        throughput_mb=8,
+        warmup_mb=2,
+        convergence_mb=8,
+        pipe_n_micro=2,
+        max_inflight=4,
+        loopback=not shaped,
+        data_bytes=100_000,
+        start_timeout_s=120,
+        run_timeout_s=120,
+    )
+    jobs = [
+        Job("swarm", rate, "blockwise8", "async", micro_batches=8, purposes=("throughput",)),
+        Job("pipelining", rate, schedule="1f1b", micro_batches=8, purposes=("throughput",)),
+        Job("single", micro_batches=8, purposes=("throughput",), threads=1),
+    ]
+    report = run_all(cfg, jobs, name="links_smoke", command="test", results_dir=tmp_path, say=lambda _: None)
+    results = {r["kind"]: r for r in report["results"]}
+    assert not any(r.get("error") for r in results.values()), [r.get("error") for r in results.values()]
+    swarm = results["swarm"]
+    assert swarm["completed"] == 8 and swarm["dropped"] == 0
+    assert swarm["tokens_per_s"] > 0 and swarm["eval_loss"] is not None
+    # blockwise8 sends ~4x less than fp32 (2 * (stages - 1) * d_model * 4 bytes per token uncompressed).
+    assert swarm["payload_bytes_per_token"] < swarm["uncompressed_bytes_per_token"] / 3
+    assert set(swarm["peak_rss_mb"]) == {"peer0", "peer1", "trainer"}
+    assert all(v["main"] > 0 for v in swarm["peak_rss_mb"].values())
+    if shaped:
+        assert swarm["wire_bytes_per_token"] >= swarm["payload_bytes_per_token"]
+        assert (
+            results["pipelining"]["wire_bytes_per_token"] >= results["pipelining"]["payload_bytes_per_token"]
+        )
+    ratio = report["analysis"]["targets"][f"swarm_blockwise8_vs_1f1b@{rate}"]
+    assert ratio is not None and ratio > 0
+    assert (tmp_path / "links_smoke.json").exists() and len(report["plots"]) == 3
+    text = markdown_section(report)
+    assert (
+        text.startswith("## Links")
+        and "pipelining 1f1b" in text
+        and "| single process, 1 thread(s) |" in text
+    )
+    assert not [n for n in our_namespaces() if n.startswith(report.get("lab", "none"))]

@@ -1,0 +1,1164 @@
+"""The swarm over slow links vs ``torch.distributed.pipelining`` and one process, in one run.
+
+Run (from the repository root, as root for the network lab; ``--loopback`` anywhere)::
+
+    python -m benchmarks.links                 # full run (~30 min on 2 cores): results/links.json, plots,
+                                               # and the "Links" section of BENCHMARKS.md
+    python -m benchmarks.links --quick         # small model, fewer runs: a few minutes on 2 cores
+    python -m benchmarks.links --loopback      # no namespaces, no rate limits (not root)
+    python -m benchmarks.links --plan          # print what would run, run nothing
+
+What runs (see :func:`plan`): every process in its own namespace of one lab (benchmarks/netlab.py):
+a bootstrap node (``swarm init``), one stage peer per stage (``swarm peer --stage i``), the trainer
+(``swarm train``); the pipelining ranks use the stage peers' namespaces. Each link's egress is capped
+with tbf at the run's rate, the same for every node.
+
+- throughput: at each rate, the swarm with its default codec and with ``none`` (async mode), and
+  pipelining with the GPipe and 1F1B schedules; at the slowest-but-one rate also every other codec
+  and sync mode. Tokens/s = median over windows of ``pipe_n_micro`` micro-batches after warm-up (for
+  pipelining a window is one optimizer step), so both sides are measured the same way.
+- bytes on the wire per token: the lab's link counters (all nodes, frames with headers, DHT chatter
+  included) over tokens trained; next to it the payload the trainer's metrics count.
+- memory: peak resident memory (VmHWM) of each stage peer (main process; with its hivemind DHT child
+  and p2pd as ``tree``), of the trainer, of each pipelining rank and of the single process.
+- convergence: on unshaped links (rate ``none``) every codec in both optimizer modes, the same data
+  (trainer seed 0) and token budget; loss against tokens and wall-clock, held-out loss at the end,
+  tokens to reach a target loss, all against sync mode without compression.
+
+Note [threads]: every stage process (stage peer or pipelining rank) gets cores / stages torch threads
+(at least 1), so the stage processes of either system use the machine's cores once. The single process
+runs twice, with 1 thread and with every core: on a busy machine a multi-threaded process can be far
+slower than a single-threaded one (OpenMP threads wait for each other whenever another process holds
+one of the cores), and the report shows both.
+
+The benchmark run spec is the given spec (``examples/bench.yaml``) with, for every run:
+``optimizer.accumulate`` (default 4: micro-batches per optimizer step, the same for sync and async)
+and ``optimizer.warmup_steps`` (default 4: bench.yaml's 50 would cover the whole token budget), the
+codec under test for activations and gradients, the optimizer mode, and a run id of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.netlab import Lab, LabError, format_rate, lab_unavailable_reason, open_lab
+from benchmarks.pipelining_baseline import ROOT, PipeConfig, _load_spec, run_pipelining
+from benchmarks.single_process import SingleConfig, run_single
+from swarm.errors import ConfigError, SwarmError
+
+__all__ = ["LinksConfig", "Job", "plan", "run_swarm", "analyse", "markdown_section", "main"]
+
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+MARKDOWN = ROOT / "BENCHMARKS.md"
+SECTION = "## Links"
+_INITIAL = re.compile(r"initial peers: (\S+)")
+_SERVING = re.compile(r"peer (\S+) serving stage (\d+) of run (\S+)")
+ALL_CODECS = ("none", "fp16", "blockwise8", "blockwise4", "lowrank")
+
+# The --quick model: the bench model's shape (4 stages, 2 sequences per micro-batch) at 1/4 width.
+QUICK_MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinksConfig:
+    """One benchmark run. Units: micro-batches (mb) unless named otherwise."""
+
+    spec_path: str = "examples/bench.yaml"
+    """Base run spec; see the module docstring for what each run overrides."""
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    """Replace these ``model`` fields of the base spec (``--quick`` shrinks the model this way)."""
+    rates: tuple[str, ...] = ("none", "100mbit", "20mbit", "5mbit")
+    """Link rates of the throughput sweep (egress of every node)."""
+    codecs: tuple[str, ...] = ALL_CODECS
+    """Codecs of the codec sweep and of the convergence runs."""
+    default_codec: str = "blockwise8"
+    """The swarm's default codec (examples/bench.yaml), run at every rate."""
+    sweep_rate: str = "20mbit"
+    """Rate at which every codec and sync mode are also measured."""
+    accumulate: int = 4
+    """Micro-batches per optimizer step, in sync and async mode alike."""
+    lr_warmup_steps: int = 4
+    """Optimizer steps of LR warm-up (replaces the spec's)."""
+    throughput_mb: int = 24
+    """Micro-batches per throughput run (warm-up included)."""
+    warmup_mb: int = 8
+    """Micro-batches left out of throughput medians."""
+    convergence_mb: int = 96
+    """Micro-batches per convergence run (the token budget), on unshaped links."""
+    pipe_n_micro: int = 8
+    """Micro-batches per pipelining step (its throughput window; also the swarm's window)."""
+    max_inflight: int = 8
+    """Micro-batches the swarm trainer keeps in flight (async)."""
+    threads: int | None = None
+    """torch threads per stage process (peer or rank); None = cores / stages, at least 1."""
+    loopback: bool = False
+    """Run without namespaces (no rates other than none)."""
+    data_bytes: int | None = None
+    """Text read by trainers and baselines (None = swarm.data's default)."""
+    start_timeout_s: float = 240.0
+    run_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        for name in ("accumulate", "throughput_mb", "convergence_mb", "pipe_n_micro", "max_inflight"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} = {getattr(self, name)} must be at least 1")
+        if not 0 <= self.warmup_mb < self.throughput_mb:
+            raise ConfigError(
+                f"warmup_mb = {self.warmup_mb} must be below throughput_mb = {self.throughput_mb}; "
+                "raise --throughput-mb or lower the warm-up"
+            )
+        for name in ("throughput_mb", "convergence_mb"):
+            if getattr(self, name) % self.accumulate:
+                raise ConfigError(
+                    f"{name} = {getattr(self, name)} must be a multiple of accumulate = {self.accumulate} "
+                    "(a trainer runs whole optimizer steps)"
+                )
+        for r in (*self.rates, self.sweep_rate):
+            format_rate(r)  # raises ConfigError on a bad rate
+        if self.loopback and any(format_rate(r) != "none" for r in self.rates):
+            raise ConfigError(
+                f"rates {list(self.rates)} need the network lab; with --loopback only 'none' is possible"
+            )
+
+
+@dataclass(frozen=True)
+class Job:
+    """One measured run: ``kind`` swarm | pipelining | single."""
+
+    kind: str
+    rate: str = "none"
+    codec: str | None = None
+    mode: str | None = None
+    """sync | async (swarm)."""
+    schedule: str | None = None
+    """gpipe | 1f1b (pipelining)."""
+    micro_batches: int = 0
+    purposes: tuple[str, ...] = ()
+    """throughput, codecs, modes, convergence, memory."""
+    threads: int | None = None
+    """torch threads (single process only; see Note [threads])."""
+
+    @property
+    def name(self) -> str:
+        if self.kind == "swarm":
+            return f"swarm {self.codec} {self.mode} @ {self.rate}"
+        if self.kind == "pipelining":
+            return f"pipelining {self.schedule} @ {self.rate}"
+        return f"single process, {self.threads} thread(s)"
+
+
+def plan(cfg: LinksConfig) -> list[Job]:
+    """Every run of the benchmark, in order (pure; ``--plan`` prints it).
+
+    Convergence runs (every codec x both modes, unshaped) double as the unshaped throughput points of
+    the swarm, so the swarm has one run per (codec, mode, rate) at most.
+    """
+    rates = [format_rate(r) for r in cfg.rates]
+    sweep = format_rate(cfg.sweep_rate)
+    jobs: dict[tuple, Job] = {}
+
+    def add(job: Job) -> None:
+        key = (job.kind, job.rate, job.codec, job.mode, job.schedule)
+        old = jobs.get(key)
+        if old is None:
+            jobs[key] = job
+        else:
+            jobs[key] = replace(
+                old,
+                micro_batches=max(old.micro_batches, job.micro_batches),
+                purposes=tuple(dict.fromkeys(old.purposes + job.purposes)),
+            )
+
+    cores = os.cpu_count() or 1
+    for threads in dict.fromkeys([1, cores]):
+        jobs[("single", threads)] = Job(
+            "single", micro_batches=cfg.throughput_mb, purposes=("throughput", "memory"), threads=threads
+        )
+    for codec in cfg.codecs:
+        for mode in ("sync", "async"):
+            add(
+                Job("swarm", "none", codec, mode, micro_batches=cfg.convergence_mb, purposes=("convergence",))
+            )
+    for rate in rates:
+        for schedule in ("gpipe", "1f1b"):
+            add(
+                Job(
+                    "pipelining",
+                    rate,
+                    schedule=schedule,
+                    micro_batches=_pipe_steps(cfg) * cfg.pipe_n_micro,
+                    purposes=("throughput", "memory"),
+                )
+            )
+        for codec in dict.fromkeys([cfg.default_codec, "none"]):
+            add(Job("swarm", rate, codec, "async", micro_batches=cfg.throughput_mb, purposes=("throughput",)))
+    if sweep in rates:
+        for codec in cfg.codecs:
+            add(Job("swarm", sweep, codec, "async", micro_batches=cfg.throughput_mb, purposes=("codecs",)))
+        add(
+            Job(
+                "swarm",
+                sweep,
+                cfg.default_codec,
+                "sync",
+                micro_batches=cfg.throughput_mb,
+                purposes=("modes",),
+            )
+        )
+    add(
+        Job(
+            "swarm", "none", cfg.default_codec, "async", micro_batches=cfg.throughput_mb, purposes=("memory",)
+        )
+    )
+    add(
+        Job("swarm", "none", cfg.default_codec, "sync", micro_batches=cfg.throughput_mb, purposes=("memory",))
+    )
+    # Unshaped runs first (convergence, the reference throughput), then by falling rate.
+    order = {r: i for i, r in enumerate(sorted(set(rates) | {"none"}, key=_rate_key))}
+    return sorted(
+        jobs.values(),
+        key=lambda j: (
+            order.get(j.rate, 0),
+            j.kind != "single",
+            j.kind,
+            j.codec or "",
+            j.mode or "",
+            j.schedule or "",
+        ),
+    )
+
+
+def _pipe_steps(cfg: LinksConfig) -> int:
+    """Pipelining steps covering ``throughput_mb`` micro-batches (at least 2: one warm-up, one measured)."""
+    return max(2, -(-cfg.throughput_mb // cfg.pipe_n_micro))
+
+
+def _rate_key(rate: str) -> float:
+    from benchmarks.netlab import parse_rate
+
+    bits = parse_rate(rate)
+    return -(bits if bits is not None else float("inf"))
+
+
+# ------------------------------------------------------------------------------------- run specs
+
+
+def base_spec_dict(cfg: LinksConfig) -> dict[str, Any]:
+    """The benchmark's spec as a plain dict (before per-run codec, mode and run id)."""
+    path = cfg.spec_path if os.path.isabs(cfg.spec_path) else str(ROOT / cfg.spec_path)
+    data = json.loads(json.dumps(_load_spec(path).to_dict()))
+    if cfg.model_overrides:
+        data["model"].update(cfg.model_overrides)
+        data["stages"] = len(data["stages"])  # the same number of stages, split over the new depth
+    data["optimizer"]["accumulate"] = cfg.accumulate
+    data["optimizer"]["warmup_steps"] = cfg.lr_warmup_steps
+    return data
+
+
+def write_spec(cfg: LinksConfig, work: Path, run_id: str, codec: str, mode: str) -> Path:
+    """A YAML spec for one swarm run (``swarm init`` reads YAML); validated by loading it back."""
+    import yaml
+
+    from swarm.spec import RunSpec
+
+    data = base_spec_dict(cfg)
+    data["run_id"] = run_id
+    data["codecs"] = {"activations": codec, "gradients": codec}
+    data["optimizer"]["mode"] = mode
+    path = work / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=True))
+    RunSpec.from_yaml(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+class PeakWatcher:
+    """Samples VmHWM of processes and their descendants every ``interval_s`` while they live.
+
+    VmHWM is the kernel's own high-water mark, so sampling only has to catch each process alive once
+    (children like the hivemind DHT process may exit with their parent; their last sample stays).
+    """
+
+    def __init__(self, interval_s: float = 0.5):
+        self.interval_s = interval_s
+        self._roots: dict[str, int] = {}
+        self.main: dict[str, int] = {}
+        self.tree: dict[str, dict[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="peak-watcher", daemon=True)
+        self._lock = threading.Lock()
+
+    def watch(self, name: str, pid: int) -> None:
+        with self._lock:
+            self._roots[name] = pid
+        self.sample()
+
+    def start(self) -> PeakWatcher:
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        with self._lock:
+            roots = dict(self._roots)
+        for name, pid in roots.items():
+            for p in [pid, *_descendants(pid)]:
+                hwm = _vmhwm(p)
+                if hwm is None:
+                    continue
+                self.tree.setdefault(name, {})[p] = max(hwm, self.tree.get(name, {}).get(p, 0))
+                if p == pid:
+                    self.main[name] = max(hwm, self.main.get(name, 0))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def report_mb(self) -> dict[str, dict[str, float]]:
+        return {
+            name: {
+                "main": self.main.get(name, 0) / 2**20,
+                "tree": sum(self.tree.get(name, {}).values()) / 2**20,
+            }
+            for name in self._roots
+        }
+
+
+def _vmhwm(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        import psutil
+
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001 (psutil missing or the process is gone: no children to sample)
+        return []
+
+
+# -------------------------------------------------------------------------------------- the swarm
+
+
+def _wait_for(
+    path: Path, pattern: re.Pattern, proc: subprocess.Popen, timeout_s: float, what: str
+) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        m = pattern.search(text)
+        if m:
+            return m
+        if proc.poll() is not None:
+            raise SwarmError(
+                f"{what} exited with code {proc.returncode} before it was ready; {path} ends with:\n"
+                + text[-2000:]
+            )
+        if time.monotonic() > deadline:
+            raise SwarmError(
+                f"{what} was not ready after {timeout_s:.0f} s; {path} ends with:\n" + text[-2000:]
+            )
+        time.sleep(0.2)
+
+
+def start_bootstrap(lab: Lab, node: str, work: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """A plain bootstrap node (``swarm init`` without a run) on ``node``; its process and address."""
+    log_path = work / "bootstrap.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HIVEMIND_LOGLEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log:
+        proc = lab.spawn(
+            node,
+            [
+                sys.executable,
+                "-m",
+                "swarm.cli",
+                "init",
+                "--host-maddrs",
+                f"/ip4/{lab.address(node)}/tcp/0",
+                "--status-interval-s",
+                "600",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=str(ROOT),
+        )
+    return proc, _wait_for(log_path, _INITIAL, proc, timeout_s, "the bootstrap node").group(1)
+
+
+def run_swarm(
+    lab: Lab, cfg: LinksConfig, job: Job, work: Path, nodes: dict[str, Any], boot_maddr: str | None = None
+) -> dict[str, Any]:
+    """One swarm run in ``lab``: its spec published by ``swarm init``, one peer per stage, one trainer.
+
+    ``nodes``: {"boot": node, "trainer": node, "stages": [node per stage]}. With ``boot_maddr`` (a
+    long-lived plain bootstrap node, see :func:`start_bootstrap`) the run's ``swarm init`` joins it and
+    starts together with the peers and the trainer (they wait for the spec in the DHT), which saves a
+    serial process start per run; without, ``swarm init`` is the bootstrap and starts first.
+    """
+    run_id = f"links-{job.codec.split(':')[0]}-{job.mode}-{job.rate}-{os.getpid()}"
+    spec_path = write_spec(cfg, work, run_id, job.codec, job.mode)
+    from swarm.spec import RunSpec
+
+    spec = RunSpec.from_yaml(spec_path)
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // spec.num_stages)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HIVEMIND_LOGLEVEL": "WARNING",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+    }
+    py = [sys.executable, "-m", "swarm.cli"]
+    procs: list[subprocess.Popen] = []
+    logs: list[Any] = []
+    watcher = PeakWatcher().start()
+
+    def spawn(node: str, argv: list[str], log_name: str) -> tuple[subprocess.Popen, Path]:
+        path = work / f"{run_id}-{log_name}.log"
+        f = open(path, "wb")  # noqa: SIM115 (closed in finally)
+        logs.append(f)
+        f.write(("$ " + " ".join(argv) + "\n").encode())
+        f.flush()
+        proc = lab.spawn(node, argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(ROOT))
+        procs.append(proc)
+        return proc, path
+
+    def listen(node: str) -> list[str]:
+        return ["--host-maddrs", f"/ip4/{lab.address(node)}/tcp/0"]
+
+    stages = nodes["stages"]
+    out_dir = work / f"{run_id}-out"
+    t_start = time.perf_counter()
+    try:
+        join = ["--initial-peers", boot_maddr] if boot_maddr else []
+        boot, boot_log = spawn(
+            nodes["boot"],
+            [*py, "init", str(spec_path), *join, *listen(nodes["boot"]), "--status-interval-s", "30"],
+            "init",
+        )
+        maddr = boot_maddr or _wait_for(boot_log, _INITIAL, boot, cfg.start_timeout_s, "swarm init").group(1)
+        peers = []
+        for i in range(spec.num_stages):
+            proc, path = spawn(
+                stages[i],
+                [
+                    *py,
+                    "peer",
+                    "--initial-peers",
+                    maddr,
+                    "--run",
+                    run_id,
+                    "--stage",
+                    str(i),
+                    *listen(stages[i]),
+                    "--throughput",
+                    "1000",
+                    "--no-rebalance",
+                ],
+                f"peer{i}",
+            )
+            peers.append((proc, path))
+            watcher.watch(f"peer{i}", proc.pid)
+        # The trainer starts with the peers (it waits for every stage by itself): its metrics' clock
+        # starts at its first micro-batch, and the warm-up micro-batches cover the rest of the start.
+        steps = job.micro_batches // cfg.accumulate
+        train_argv = [
+            *py,
+            "train",
+            "--initial-peers",
+            maddr,
+            "--run",
+            run_id,
+            "--steps",
+            str(steps),
+            "--out",
+            str(out_dir),
+            "--eval-every",
+            str(steps),
+            "--seed",
+            "0",
+            "--quiet",
+            "--max-inflight",
+            str(cfg.max_inflight),
+            *listen(nodes["trainer"]),
+        ]
+        if cfg.data_bytes is not None:
+            train_argv += ["--max-data-bytes", str(cfg.data_bytes)]
+        trainer, trainer_log = spawn(nodes["trainer"], train_argv, "trainer")
+        for i, (proc, path) in enumerate(peers):
+            _wait_for(path, _SERVING, proc, cfg.start_timeout_s, f"stage peer {i}")
+        if boot.poll() is not None:
+            raise SwarmError(f"swarm init exited with {boot.returncode}:\n{boot_log.read_text()[-2000:]}")
+        t_online = time.perf_counter()
+        # Counters from here: the trainer has at most fetched the spec; every micro-batch is still ahead.
+        tx0 = {n: lab.tx_bytes(n) for n in [nodes["boot"], nodes["trainer"], *stages]}
+        watcher.watch("trainer", trainer.pid)
+        try:
+            trainer.wait(cfg.run_timeout_s)
+        except subprocess.TimeoutExpired:
+            raise SwarmError(f"{job.name}: the trainer did not finish within {cfg.run_timeout_s} s") from None
+        watcher.sample()
+        tx1 = {n: lab.tx_bytes(n) for n in tx0}
+        if trainer.returncode != 0:
+            raise SwarmError(
+                f"{job.name}: trainer exited with {trainer.returncode}:\n"
+                + trainer_log.read_text(errors="replace")[-2000:]
+            )
+    finally:
+        watcher.stop()
+        for proc in reversed(procs):
+            lab.stop(proc, grace_s=10.0)
+        for f in logs:
+            f.close()
+    memory = watcher.report_mb()
+    records = [
+        json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    tokens_per_mb = spec.micro_batch_size * spec.model.seq_len
+    result = swarm_figures(
+        records, summary, tokens_per_mb=tokens_per_mb, warmup_mb=cfg.warmup_mb, window_mb=cfg.pipe_n_micro
+    )
+    tokens = result["tokens"] or 1
+    wire = None if any(v is None for v in tx0.values()) else sum(tx1[n] - tx0[n] for n in tx0) / tokens
+    result.update(
+        {
+            "kind": "swarm",
+            "rate": job.rate,
+            "codec": job.codec,
+            "mode": job.mode,
+            "purposes": list(job.purposes),
+            "micro_batches": job.micro_batches,
+            "threads_per_peer": threads,
+            "startup_s": t_online - t_start,
+            "wire_bytes_per_token": wire,
+            "peak_rss_mb": {name: m for name, m in memory.items()},
+        }
+    )
+    return result
+
+
+def swarm_figures(
+    records: list[dict[str, Any]],
+    summary: dict[str, Any],
+    *,
+    tokens_per_mb: int,
+    warmup_mb: int,
+    window_mb: int,
+) -> dict[str, Any]:
+    """Throughput, loss curve and bytes from a trainer's ``metrics.jsonl`` records and summary (pure).
+
+    Tokens/s: the step records after ``warmup_mb`` micro-batches are cut into windows of at least
+    ``window_mb`` micro-batches; each window's rate is tokens / seconds between its end and the end of
+    the previous window; the median of those rates. With fewer than one window, the whole post-warm-up
+    rate.
+    """
+    steps = [r for r in records if r.get("type") == "step" and r.get("tokens") is not None]
+    evals = [r for r in records if r.get("type") == "eval" and r.get("eval_loss") is not None]
+    warm_tokens = warmup_mb * tokens_per_mb
+    window = window_mb * tokens_per_mb
+    rates: list[float] = []
+    start = next((r for r in steps if r["tokens"] >= warm_tokens), None)
+    if start is not None:
+        mark = start
+        for r in steps:
+            if r["tokens"] - mark["tokens"] >= window and r["time"] > mark["time"]:
+                rates.append((r["tokens"] - mark["tokens"]) / (r["time"] - mark["time"]))
+                mark = r
+        if not rates and steps[-1]["time"] > start["time"]:
+            rates.append((steps[-1]["tokens"] - start["tokens"]) / (steps[-1]["time"] - start["time"]))
+    mb = summary.get("micro_batches", {})
+    return {
+        "tokens": steps[-1]["tokens"] if steps else 0,
+        "tokens_per_s": statistics.median(rates) if rates else None,
+        "window_rates": rates,
+        "train_s": steps[-1]["time"] if steps else None,
+        "losses": [{"tokens": r["tokens"], "wall_s": r["time"], "loss": r.get("loss")} for r in steps],
+        "eval_loss": evals[-1]["eval_loss"] if evals else summary.get("eval_loss_last"),
+        "payload_bytes_per_token": summary.get("bytes_per_token"),
+        "uncompressed_bytes_per_token": summary.get("uncompressed_bytes_per_token"),
+        "completed": mb.get("completed"),
+        "dropped": mb.get("dropped"),
+        "retries": mb.get("retries"),
+    }
+
+
+# -------------------------------------------------------------------------------------- analysis
+
+
+def _smooth(values: list[float], k: int = 3) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - k + 1) : i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def tokens_to_target(losses: list[dict[str, Any]], target: float) -> int | None:
+    """Tokens at which the smoothed training loss first reaches ``target`` (None if it never does)."""
+    pts = [p for p in losses if p.get("loss") is not None]
+    sm = _smooth([p["loss"] for p in pts])
+    return next((p["tokens"] for p, v in zip(pts, sm, strict=True) if v <= target), None)
+
+
+def _final(losses: list[dict[str, Any]], k: int = 3) -> float | None:
+    vals = [p["loss"] for p in losses if p.get("loss") is not None]
+    return sum(vals[-k:]) / len(vals[-k:]) if vals else None
+
+
+def _find(results: list[dict[str, Any]], **kw: Any) -> dict[str, Any] | None:
+    for r in results:
+        if r.get("error") is None and all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def analyse(cfg: LinksConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios for the issue's targets and the convergence table, from one run's results (pure)."""
+    dc = cfg.default_codec
+    rates = [format_rate(r) for r in cfg.rates]
+    slow = format_rate(cfg.sweep_rate)
+    out: dict[str, Any] = {"targets": {}, "convergence": {}}
+    t = out["targets"]
+
+    def tps(**kw: Any) -> float | None:
+        r = _find(results, **kw)
+        return r.get("tokens_per_s") if r else None
+
+    swarm_free = tps(kind="swarm", codec=dc, mode="async", rate="none")
+    for rate in rates:
+        t[f"swarm_{dc}_vs_1f1b@{rate}"] = _ratio(
+            tps(kind="swarm", codec=dc, mode="async", rate=rate),
+            tps(kind="pipelining", schedule="1f1b", rate=rate),
+        )
+        t[f"swarm_{dc}_vs_own_unshaped@{rate}"] = _ratio(
+            tps(kind="swarm", codec=dc, mode="async", rate=rate), swarm_free
+        )
+    t["target_3x_1f1b_at_20mbit"] = t.get(f"swarm_{dc}_vs_1f1b@20mbit")
+    t["target_0.9_own_at_100mbit"] = t.get(f"swarm_{dc}_vs_own_unshaped@100mbit")
+    t["target_0.9_pipelining_unshaped"] = t.get(f"swarm_{dc}_vs_1f1b@none")
+    t["swarm_vs_single_process_1_thread"] = _ratio(swarm_free, tps(kind="single", threads=1))
+    # Memory: stage peers (main process) per mode, unshaped default codec.
+    sync = _find(results, kind="swarm", codec=dc, mode="sync", rate="none")
+    asyn = _find(results, kind="swarm", codec=dc, mode="async", rate="none")
+    pipe = _find(results, kind="pipelining", schedule="1f1b", rate="none")
+
+    def peer_peak(r: dict[str, Any] | None, key: str = "main") -> float | None:
+        if not r:
+            return None
+        vals = [v[key] for k, v in r["peak_rss_mb"].items() if k.startswith("peer") and v.get(key)]
+        return max(vals) if vals else None
+
+    pipe_peak = max(pipe["peak_rss_mb"]) if pipe and all(pipe["peak_rss_mb"]) else None
+    t["memory_async_vs_sync_peer"] = _ratio(peer_peak(asyn), peer_peak(sync))
+    t["memory_async_peer_vs_pipelining_rank"] = _ratio(peer_peak(asyn), pipe_peak)
+    t["memory_async_peer_tree_vs_pipelining_rank"] = _ratio(peer_peak(asyn, "tree"), pipe_peak)
+
+    # Convergence: same data and budget, unshaped; reference = sync without compression.
+    base = _find(
+        results, kind="swarm", codec="none", mode="sync", rate="none", micro_batches=cfg.convergence_mb
+    )
+    conv = out["convergence"]
+    if base:
+        pts = [p for p in base["losses"] if p.get("loss") is not None]
+        sm = _smooth([p["loss"] for p in pts])
+        target = sm[max(0, int(len(sm) * 0.75) - 1)] if sm else None
+        conv["target_loss"] = target
+        conv["target_rule"] = "the reference's smoothed (3-step) training loss at 3/4 of the token budget"
+        for r in results:
+            if (
+                r.get("kind") != "swarm"
+                or r.get("rate") != "none"
+                or r.get("micro_batches") != cfg.convergence_mb
+            ):
+                continue
+            if r.get("error"):
+                continue
+            key = f"{r['codec']} {r['mode']}"
+            conv[key] = {
+                "final_train_loss": _final(r["losses"]),
+                "eval_loss": r.get("eval_loss"),
+                "eval_vs_reference": _ratio(r.get("eval_loss"), base.get("eval_loss")),
+                "train_vs_reference": _ratio(_final(r["losses"]), _final(base["losses"])),
+                "tokens_to_target": tokens_to_target(r["losses"], target) if target is not None else None,
+                "wall_s_to_target": _wall_at(r["losses"], tokens_to_target(r["losses"], target))
+                if target
+                else None,
+                "tokens_per_s": r.get("tokens_per_s"),
+            }
+        t[f"convergence_{dc}_sync_within_1pct"] = (conv.get(f"{dc} sync") or {}).get("eval_vs_reference")
+        t["convergence_async_vs_sync_none"] = (conv.get("none async") or {}).get("eval_vs_reference")
+        t[f"convergence_{dc}_async_vs_sync_{dc}"] = _ratio(
+            (conv.get(f"{dc} async") or {}).get("eval_loss"), (conv.get(f"{dc} sync") or {}).get("eval_loss")
+        )
+    out["slow_rate"] = slow
+    return out
+
+
+def _wall_at(losses: list[dict[str, Any]], tokens: int | None) -> float | None:
+    if tokens is None:
+        return None
+    return next((p["wall_s"] for p in losses if p["tokens"] == tokens), None)
+
+
+# ----------------------------------------------------------------------------------------- plots
+
+
+def plot(
+    cfg: LinksConfig, results: list[dict[str, Any]], prefix: str, results_dir: Path = RESULTS_DIR
+) -> list[str]:
+    """PNG plots next to the JSON: throughput vs rate, loss vs tokens and vs wall-clock."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    paths = []
+    rates = [format_rate(r) for r in cfg.rates]
+    xs = list(range(len(rates)))
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    series = [
+        (f"swarm {cfg.default_codec} async", {"kind": "swarm", "codec": cfg.default_codec, "mode": "async"}),
+        ("swarm none async", {"kind": "swarm", "codec": "none", "mode": "async"}),
+        ("pipelining 1F1B", {"kind": "pipelining", "schedule": "1f1b"}),
+        ("pipelining GPipe", {"kind": "pipelining", "schedule": "gpipe"}),
+    ]
+    for label, kw in series:
+        ys = []
+        for rate in rates:
+            r = _find(results, rate=rate, **kw)
+            ys.append(r["tokens_per_s"] if r and r.get("tokens_per_s") else float("nan"))
+        ax.plot(xs, ys, marker="o", label=label)
+    for single, style in zip(
+        [r for r in results if r.get("kind") == "single" and r.get("tokens_per_s")], ("--", ":"), strict=False
+    ):
+        ax.axhline(
+            single["tokens_per_s"],
+            color="grey",
+            linestyle=style,
+            label=f"one process, {single['threads']} thread(s), no network",
+        )
+    ax.set_xticks(xs, rates)
+    ax.set_xlabel("egress rate of every node")
+    ax.set_ylabel("tokens/s (median after warm-up)")
+    ax.set_title("Throughput over shaped links")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = results_dir / f"{prefix}_throughput.png"
+    fig.savefig(p, dpi=110)
+    paths.append(str(p))
+
+    conv = [
+        r
+        for r in results
+        if r.get("kind") == "swarm"
+        and r.get("rate") == "none"
+        and r.get("micro_batches") == cfg.convergence_mb
+        and not r.get("error")
+    ]
+    for x_key, x_label, name in (("tokens", "tokens", "loss_tokens"), ("wall_s", "seconds", "loss_time")):
+        fig = Figure(figsize=(7, 4.2))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        for r in conv:
+            pts = [p for p in r["losses"] if p.get("loss") is not None]
+            ax.plot(
+                [p[x_key] for p in pts],
+                _smooth([p["loss"] for p in pts]),
+                linestyle="-" if r["mode"] == "sync" else "--",
+                label=f"{r['codec']} {r['mode']}",
+            )
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("training loss (3-step mean)")
+        ax.set_title(f"Convergence, same data and budget ({x_label})")
+        ax.grid(alpha=0.3)
+        if conv:
+            ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        p = results_dir / f"{prefix}_{name}.png"
+        fig.savefig(p, dpi=110)
+        paths.append(str(p))
+    return paths
+
+
+# -------------------------------------------------------------------------------------- markdown
+
+
+def _f(x: Any, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown_section(report: dict[str, Any]) -> str:
+    """The "Links" section of BENCHMARKS.md from a report (pure)."""
+    cfg = report["config"]
+    results = report["results"]
+    a = report["analysis"]
+    m = report["machine"]
+    lines = [
+        SECTION,
+        "",
+        f"Machine: {m['cpu']}, {m['cpu_count']} cores, {m['memory_gib']:.0f} GiB, torch {m['torch']}, "
+        f"hivemind {m['hivemind']}, Python {m['python']}; network: "
+        + (
+            "network namespaces on a private bridge, tbf egress shaping per namespace (benchmarks/netlab.py)"
+            if not cfg["loopback"]
+            else "loopback, no shaping"
+        )
+        + f". Load average at start {m['load_start']}.",
+        "",
+        f"Command: `{report['command']}` ({report['wall_min']:.1f} min; results in "
+        f"`benchmarks/results/{report['name']}.json`).",
+        "",
+        f"Model: `{cfg['spec_path']}`"
+        + (f" with model {cfg['model_overrides']}" if cfg["model_overrides"] else "")
+        + f" ({report['n_params'] / 1e6:.1f}M parameters, {report['num_stages']} stages, micro-batch "
+        f"{report['micro_batch']}, {report['tokens_per_mb']} tokens, fp32 activation message "
+        f"{report['act_mib']:.2f} MiB), optimizer steps of {cfg['accumulate']} micro-batches, "
+        f"{report['threads_per_stage']} torch thread(s) per stage process. Pipelining: {cfg['pipe_n_micro']} "
+        "micro-batches per step. Tokens/s = median over windows of "
+        f"{cfg['pipe_n_micro']} micro-batches after {cfg['warmup_mb']} warm-up micro-batches.",
+        "",
+        "### Throughput",
+        "",
+        "| run | rate | tokens/s | wire bytes/token | payload bytes/token | peak RSS MiB (stage procs) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.get("error"):
+            lines.append(f"| {r['name']} | {r.get('rate', '-')} | failed: {r['error'][:80]} | | | |")
+            continue
+        if r["kind"] == "swarm":
+            mem = [round(v["main"]) for k, v in sorted(r["peak_rss_mb"].items()) if k.startswith("peer")]
+        elif r["kind"] == "pipelining":
+            mem = [round(v) for v in r["peak_rss_mb"] if v]
+        else:
+            mem = [round(r["peak_rss_mb"])] if r.get("peak_rss_mb") else []
+        lines.append(
+            f"| {r['name']} | {r.get('rate', 'none')} | {_f(r.get('tokens_per_s'))} | "
+            f"{_f(r.get('wire_bytes_per_token'))} | {_f(r.get('payload_bytes_per_token'))} | {mem} |"
+        )
+    t = a["targets"]
+    lines += [
+        "",
+        "### Targets (ratios inside this run)",
+        "",
+        "| target | wanted | measured |",
+        "|---|---|---|",
+    ]
+    rows = [
+        ("swarm (default codec) / pipelining 1F1B at 20mbit", ">= 3", t.get("target_3x_1f1b_at_20mbit")),
+        ("swarm at 100mbit / its own unshaped", ">= 0.9", t.get("target_0.9_own_at_100mbit")),
+        ("swarm / pipelining 1F1B unshaped", ">= 0.9", t.get("target_0.9_pipelining_unshaped")),
+        ("peak RSS: async peer / sync peer", "<= 1.5", t.get("memory_async_vs_sync_peer")),
+        ("peak RSS: async peer / pipelining rank", "<= 2", t.get("memory_async_peer_vs_pipelining_rank")),
+        (
+            "peak RSS: async peer incl. DHT process + p2pd / pipelining rank",
+            "-",
+            t.get("memory_async_peer_tree_vs_pipelining_rank"),
+        ),
+    ]
+    dc = report["config"]["default_codec"]
+    rows.append(
+        (f"held-out loss: {dc} sync / none sync", "<= 1.01", t.get(f"convergence_{dc}_sync_within_1pct"))
+    )
+    rows.append(("held-out loss: none async / none sync", "<= 1.02", t.get("convergence_async_vs_sync_none")))
+    rows.append(
+        (f"held-out loss: {dc} async / {dc} sync", "<= 1.02", t.get(f"convergence_{dc}_async_vs_sync_{dc}"))
+    )
+    for key, val in sorted(t.items()):
+        if key.startswith("swarm_") and "@" in key:
+            rows.append((key.replace("_", " "), "-", val))
+    for name, wanted, val in rows:
+        lines.append(f"| {name} | {wanted} | {_f(val, '.2f')} |")
+    conv = a.get("convergence", {})
+    if conv:
+        lines += [
+            "",
+            f"### Convergence (unshaped links, {cfg['convergence_mb']} micro-batches, same data)",
+            "",
+            f"Target loss {_f(conv.get('target_loss'), '.3f')} ({conv.get('target_rule')}).",
+            "",
+            "| codec, mode | final train loss | held-out loss | vs none sync | tokens to target | s to target "
+            "| tokens/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for key, c in conv.items():
+            if not isinstance(c, dict):
+                continue
+            lines.append(
+                f"| {key} | {_f(c['final_train_loss'], '.3f')} | {_f(c['eval_loss'], '.3f')} | "
+                f"{_f(c['eval_vs_reference'], '.3f')} | {_f(c['tokens_to_target'])} | "
+                f"{_f(c['wall_s_to_target'], '.0f')} | {_f(c['tokens_per_s'])} |"
+            )
+    lines += ["", *[f"![{Path(p).stem}](benchmarks/results/{Path(p).name})" for p in report.get("plots", [])]]
+    if report.get("reading"):
+        lines += ["", "### Reading", "", report["reading"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(section: str, path: Path = MARKDOWN) -> None:
+    """Replace (or append) the "Links" section; other sections are left exactly as they are."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    lines = text.rstrip("\n").split("\n")
+    if SECTION in lines:
+        start = lines.index(SECTION)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines[start:end] = section.rstrip("\n").split("\n") + ([""] if end < len(lines) else [])
+        text = "\n".join(lines) + "\n"
+    else:
+        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    path.write_text(text)
+
+
+# ----------------------------------------------------------------------------------------- driver
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    try:
+        import hivemind
+
+        hv = hivemind.__version__
+    except ImportError:
+        hv = None
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0.0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_gib": mem,
+        "torch": torch.__version__,
+        "hivemind": hv,
+        "python": platform.python_version(),
+        "load_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+    }
+
+
+def run_all(
+    cfg: LinksConfig,
+    jobs: list[Job],
+    *,
+    name: str,
+    command: str,
+    say: Callable[[str], None] = print,
+    results_dir: Path = RESULTS_DIR,
+) -> dict[str, Any]:
+    """Run ``jobs`` in one lab; write ``results/NAME.json`` after every job (partial results survive)."""
+    from swarm.spec import RunSpec
+
+    results_dir.mkdir(parents=True, exist_ok=True)
+    base = base_spec_dict(cfg)
+    base.update(run_id="links-base", codecs={"activations": "none", "gradients": "none"})
+    spec = RunSpec.from_dict(base)
+    s = spec.num_stages
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // s)
+    stage_nodes = [f"s{i}" for i in range(s)]
+    nodes = {"boot": "boot", "trainer": "trainer", "stages": stage_nodes}
+    report: dict[str, Any] = {
+        "name": name,
+        "command": command,
+        "config": asdict(cfg),
+        "machine": machine_info(),
+        "n_params": spec.n_params(),
+        "num_stages": s,
+        "micro_batch": f"{spec.micro_batch_size}x{spec.model.seq_len}",
+        "tokens_per_mb": spec.tokens_per_micro_batch,
+        "act_mib": spec.micro_batch_size * spec.model.seq_len * spec.model.d_model * 4 / 2**20,
+        "threads_per_stage": threads,
+        "results": [],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    out_json = results_dir / f"{name}.json"
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="swarmpipe-links-") as tmp:
+        work = Path(tmp)
+        base_path = work / "base.json"
+        base_path.write_bytes(spec.canonical_bytes())
+        with open_lab(["boot", "trainer", *stage_nodes], loopback=cfg.loopback) as lab:
+            report["lab"] = getattr(lab, "tag", "loopback")
+            boot_maddr = None
+            if any(j.kind == "swarm" for j in jobs):
+                _, boot_maddr = start_bootstrap(lab, nodes["boot"], work, cfg.start_timeout_s)
+            nodes["boot_maddr"] = boot_maddr
+            for i, job in enumerate(jobs):
+                say(f"[{i + 1}/{len(jobs)}] {job.name} ({time.perf_counter() - t0:.0f} s elapsed)")
+                lab.set_rate(job.rate)
+                t = time.perf_counter()
+                try:
+                    res = _run_job(lab, cfg, job, work / f"job{i}", nodes, base_path, threads)
+                except (SwarmError, LabError, OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
+                    res = {
+                        "kind": job.kind,
+                        "rate": job.rate,
+                        "codec": job.codec,
+                        "mode": job.mode,
+                        "schedule": job.schedule,
+                        "error": f"{type(e).__name__}: {e}",
+                    }
+                    say(f"    FAILED: {res['error'][:800]}")
+                res["name"] = job.name
+                res["purposes"] = list(job.purposes)
+                res["job_s"] = time.perf_counter() - t
+                if not res.get("error"):
+                    say(
+                        f"    {_f(res.get('tokens_per_s'))} tokens/s, wire {_f(res.get('wire_bytes_per_token'))} B/token"
+                        f" ({res['job_s']:.0f} s)"
+                    )
+                report["results"].append(res)
+                report["wall_min"] = (time.perf_counter() - t0) / 60
+                out_json.write_text(json.dumps(report, indent=1, default=str))
+    report["analysis"] = analyse(cfg, report["results"])
+    report["plots"] = plot(cfg, report["results"], name, results_dir)
+    report["wall_min"] = (time.perf_counter() - t0) / 60
+    out_json.write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def _run_job(
+    lab: Lab, cfg: LinksConfig, job: Job, work: Path, nodes: dict[str, Any], base_path: Path, threads: int
+) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    if job.kind == "swarm":
+        return run_swarm(lab, cfg, job, work, nodes, boot_maddr=nodes.get("boot_maddr"))
+    if job.kind == "pipelining":
+        steps = _pipe_steps(cfg)
+        pcfg = PipeConfig(
+            spec_path=str(base_path),
+            schedule=job.schedule,
+            n_micro=cfg.pipe_n_micro,
+            steps=steps,
+            warmup_steps=min(steps - 1, max(1, -(-cfg.warmup_mb // cfg.pipe_n_micro))),
+            threads=threads,
+            data_bytes=cfg.data_bytes,
+            timeout_s=cfg.run_timeout_s,
+        )
+        res = run_pipelining(lab, pcfg, nodes["stages"], work)
+        res["rate"] = job.rate
+        return res
+    scfg = SingleConfig(
+        threads=job.threads,
+        spec_path=str(base_path),
+        accumulate=cfg.accumulate,
+        steps=max(2, job.micro_batches // cfg.accumulate),
+        warmup_steps=max(1, cfg.warmup_mb // cfg.accumulate),
+        data_bytes=cfg.data_bytes,
+        timeout_s=cfg.run_timeout_s,
+    )
+    res = run_single(scfg, work)
+    res["rate"] = "none"
+    return res
+
+
+def quick_config(**kw: Any) -> LinksConfig:
+    """``--quick``: the bench model at 1/4 width and half depth, codecs none/blockwise8, rates none/5mbit."""
+    base = {
+        "model_overrides": dict(QUICK_MODEL),
+        "rates": ("none", "5mbit"),
+        "sweep_rate": "5mbit",
+        "codecs": ("none", "blockwise8"),
+        "throughput_mb": 16,
+        "warmup_mb": 4,
+        "convergence_mb": 32,
+        "pipe_n_micro": 4,
+        "data_bytes": 1 << 20,
+    }
+    base.update(kw)
+    return LinksConfig(**base)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.links",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--spec", default="examples/bench.yaml")
+    parser.add_argument("--quick", action="store_true", help="small model and few runs (a few minutes)")
+    parser.add_argument("--loopback", action="store_true", help="no namespaces or rate limits (not root)")
+    parser.add_argument("--rates", nargs="+", default=None, help="link rates, e.g. none 100mbit 20mbit 5mbit")
+    parser.add_argument("--codecs", nargs="+", default=None)
+    parser.add_argument("--throughput-mb", type=int, default=None)
+    parser.add_argument("--convergence-mb", type=int, default=None)
+    parser.add_argument("--name", default=None, help="results name (default links, links_quick, ...)")
+    parser.add_argument("--plan", action="store_true", help="print the runs and exit")
+    parser.add_argument("--no-markdown", action="store_true", help="do not touch BENCHMARKS.md")
+    args = parser.parse_args(argv)
+
+    kw: dict[str, Any] = {"spec_path": args.spec, "loopback": args.loopback}
+    if args.rates:
+        kw["rates"] = tuple(args.rates)
+    elif args.loopback:
+        kw["rates"] = ("none",)
+    if args.codecs:
+        kw["codecs"] = tuple(args.codecs)
+    if args.throughput_mb:
+        kw["throughput_mb"] = args.throughput_mb
+    if args.convergence_mb:
+        kw["convergence_mb"] = args.convergence_mb
+    if args.loopback and "rates" not in kw:
+        kw["rates"] = ("none",)
+    cfg = quick_config(**kw) if args.quick else LinksConfig(**kw)
+    jobs = plan(cfg)
+    if args.plan:
+        for j in jobs:
+            print(f"{j.name:45s} {j.micro_batches:4d} mb  {', '.join(j.purposes)}")
+        return 0
+    if not args.loopback:
+        reason = lab_unavailable_reason(probe=True)
+        if reason:
+            print(f"cannot run the network lab: {reason}", file=sys.stderr)
+            return 2
+    name = args.name or ("links" + ("_quick" if args.quick else "") + ("_loopback" if args.loopback else ""))
+    command = "python -m benchmarks.links " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = run_all(cfg, jobs, name=name, command=command.strip())
+    if not args.no_markdown:
+        write_markdown(markdown_section(report))
+    print(json.dumps(report["analysis"]["targets"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
