@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -54,7 +55,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from swarm.accounting import Attempt, Ledger, MicroBatch
 from swarm.data import DataConfig, TokenData, build_data
-from swarm.errors import ConfigError, PeerFailure, RequestError
+from swarm.errors import ConfigError, PeerFailure, RequestError, StageUnavailableError
 from swarm.metrics import (
     MetricsWriter,
     ProgressDisplay,
@@ -76,6 +77,8 @@ if TYPE_CHECKING:
     from swarm.membership import Membership
     from swarm.records import PeerRecord
     from swarm.spec import RunSpec
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TrainerConfig", "Trainer", "SwarmLink", "service_seconds", "classify_failure"]
 
@@ -265,6 +268,7 @@ class SwarmLink:
         self.p2p = p2p
         self.peer_id: str = p2p.peer_id.to_base58()
         self.on_report: Callable[[Report, bytes], None] = lambda report, payload: None
+        self.handler_error: Exception | None = None  # first exception raised by on_report (a bug)
 
     @classmethod
     async def open(
@@ -301,7 +305,13 @@ class SwarmLink:
                 f"report for run {report.run_id!r} reached a trainer of run {self.spec.run_id!r}; "
                 "the peer routes to the wrong trainer"
             )
-        self.on_report(report, message.payload)
+        try:
+            self.on_report(report, message.payload)
+        except Exception as e:  # a bug of ours: keep it for the owner instead of losing it in the daemon
+            logger.exception("handling report %s of %s failed", report.kind, report.mb_id)
+            if self.handler_error is None:
+                self.handler_error = e
+            raise
         return {}
 
     async def stage_records(self) -> list[dict[str, PeerRecord]]:
@@ -489,6 +499,14 @@ class Trainer:
                 self.writer.close()
         return self.summary
 
+    def _raise_errors(self) -> None:
+        """Re-raise a crash of a background task or of report handling (our bugs, never swallowed)."""
+        if self.tasks.error is not None:
+            raise self.tasks.error
+        handler_error = getattr(self.link, "handler_error", None)
+        if handler_error is not None:
+            raise handler_error
+
     def _training_done(self) -> bool:
         # async: dropped micro-batches are replaced, so count completions; sync: count closed windows
         if self.sync:
@@ -497,8 +515,7 @@ class Trainer:
 
     async def _main_loop(self) -> None:
         while not self._training_done() or self.eval_round is not None:
-            if self.tasks.error is not None:
-                raise self.tasks.error
+            self._raise_errors()
             now = self._clock()
             self._expire(now)
             self._fill(now, open_new=not self._training_done())
@@ -520,8 +537,7 @@ class Trainer:
         """Wait for micro-batches still in flight (extra work opened near the end) to resolve."""
         deadline = self._clock() + self.config.drain_timeout_s
         while (self.ledger.inflight() or self.ledger.n_pending()) and self._clock() < deadline:
-            if self.tasks.error is not None:
-                raise self.tasks.error
+            self._raise_errors()
             now = self._clock()
             self._expire(now)
             self._fill(now, open_new=False)
@@ -531,8 +547,7 @@ class Trainer:
     async def _final_eval(self) -> None:
         self._open_eval()
         while self.eval_round is not None:
-            if self.tasks.error is not None:
-                raise self.tasks.error
+            self._raise_errors()
             now = self._clock()
             self._expire(now)
             self._fill(now, open_new=False)
@@ -634,8 +649,6 @@ class Trainer:
             else:
                 self.say(f"waiting: {e}; training continues when one of them is back")
         if self.config.stage_wait_s is not None and now - self.waiting_since > self.config.stage_wait_s:
-            from swarm.errors import StageUnavailableError
-
             raise StageUnavailableError(
                 f"stage {e.stage} of run {self.spec.run_id!r} had no usable peer for "
                 f"{now - self.waiting_since:.0f} s (stage_wait_s = {self.config.stage_wait_s}); start a peer "
