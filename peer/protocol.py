@@ -411,9 +411,35 @@ async def serve(
             reply = await handler(message, context.remote_id)
             return _reply({"ok": True, **reply})
         except RequestError as e:
+            await _discard_rest(parts)
             return _reply({"ok": False, "error": str(e), "code": type(e).__name__})
 
     await p2p.add_protobuf_handler(name, _handle, runtime_pb2.ExpertRequest, stream_input=True)
+
+
+_DISCARD_BYTES = 64 << 20
+_DISCARD_S = 10.0
+
+
+async def _discard_rest(parts: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+    """Read and drop the parts a refused request still has in flight (bounded in bytes and time).
+
+    Why: closing a stream with unread data makes the daemon reset it, and the reset can reach the
+    caller before the refusal reply does, turning a clear refusal into "connection reset" (seen on
+    a loaded machine with a payload over the cap). Draining first lets the reply arrive intact.
+    """
+
+    async def _drain() -> None:
+        seen = 0
+        async for part in parts:
+            seen += sum(len(t.buffer) for t in part.tensors)
+            if seen > _DISCARD_BYTES:
+                return
+
+    try:
+        await asyncio.wait_for(_drain(), timeout=_DISCARD_S)
+    except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+        pass
 
 
 async def call(
