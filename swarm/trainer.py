@@ -21,6 +21,16 @@ One micro-batch (see peer/protocol.py for the wire side)
    only token ids travel again) up to ``max_attempts`` times, then counted as dropped. The ledger
    (swarm/accounting.py) keeps ``opened == completed + dropped + in flight + pending``.
 
+Failures (note "failure classes", below ``classify_failure``)
+------------------------------------------------------------
+Every failure text is mapped to a class. ``unreachable``, ``timeout`` and ``error`` back off from
+the peer they name (exponential, routing.Router.on_failure); ``busy`` pauses it briefly; staleness
+refusals (``version_evicted``, ``stash_expired``) and ``refused`` name no culprit. A peer found
+unreachable closes every other attempt routed through it at once (they could only time out), and a
+stage-0 peer that never acknowledged a micro-batch before its deadline is the one blamed for it.
+Per-peer in-flight counts are capped (note "staleness cap" in swarm/routing.py) so that peers keep
+the weight version a micro-batch's backward needs.
+
 Steps (note "trainer step")
 ---------------------------
 Peers step their optimizers every ``optimizer.accumulate`` micro-batches they receive; a trainer
