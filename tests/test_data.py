@@ -111,20 +111,35 @@ def test_config_is_checked():
         DataConfig(max_bytes=10)
 
 
-def test_optional_hf_dataset_and_tokenizer_from_local_files(tmp_path):
-    pytest.importorskip("datasets")
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers, trainers
+def _train_local_tokenizer(corpus_file, out_dir):
+    """A small BPE tokenizer trained on a local file (never downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("\n".join(json.dumps({"text": f"line {i} of text"}) for i in range(400)))
-    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train([str(corpus)], trainers.BpeTrainer(vocab_size=100, special_tokens=["[UNK]"]))
-    tok_path = tmp_path / "tokenizer.json"
-    tok.save(str(tok_path))
-    data, hf_tok = build_data(
-        DataConfig(source="hf:" + str(corpus), tokenizer=str(tok_path)), seq_len=8, vocab_size=256
-    )
-    assert hf_tok.vocab_size <= 100
-    assert int(data.train.max()) < hf_tok.vocab_size
+    tok.train([str(corpus_file)], trainers.BpeTrainer(vocab_size=100, special_tokens=["[UNK]"]))
+    path = out_dir / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_optional_tokenizers_package_with_a_local_tokenizer_file(tmp_path):
+    pytest.importorskip("tokenizers")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(f"line {i} of text" for i in range(400)))
+    tok_path = _train_local_tokenizer(corpus, tmp_path)
+    data, tok = build_data(DataConfig(source=str(corpus), tokenizer=str(tok_path)), seq_len=8, vocab_size=256)
+    assert 10 < tok.vocab_size <= 100 and int(data.train.max()) < tok.vocab_size
+    assert "text" in tok.decode(tok.encode("line 3 of text"))
+    with pytest.raises(ConfigError, match="vocab_size"):
+        build_data(DataConfig(source=str(corpus), tokenizer=str(tok_path)), seq_len=8, vocab_size=50)
+
+
+def test_optional_datasets_package_with_a_local_file(tmp_path):
+    pytest.importorskip("datasets")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"record {i} of the dataset"}) for i in range(400)))
+    docs = read_documents("hf:" + str(corpus))
+    assert docs[0] == "record 0 of the dataset" and len(docs) == 400
+    data, _ = build_data(DataConfig(source="hf:" + str(corpus)), seq_len=16, vocab_size=256)
+    assert data.train.numel() > 1000
