@@ -341,7 +341,8 @@ def _step_tokens(steps: list[Mapping[str, Any]], i: int) -> int:
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
-    """A few human lines for the end of a run."""
+    """A few human lines for the end of a run. Per peer: micro-batches served and, when the summary has
+    ``peer_loss``, the recent loss of micro-batches routed through it (a diverging replica stands out)."""
 
     def num(x: Any, fmt: str = ".3f") -> str:
         return "-" if x is None else format(x, fmt)
@@ -363,7 +364,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         + (f" {mb.get('dropped_by_reason')}" if mb.get("dropped") else "")
         + f", {mb.get('retries', 0)} retries, {mb.get('late_reports', 0)} late reports ignored",
     ]
+    peer_loss = summary.get("peer_loss", {})
     for stage, peers in sorted(summary.get("peers_by_stage", {}).items(), key=lambda kv: int(kv[0])):
-        served = ", ".join(f"{pid[-8:]}: {n}" for pid, n in sorted(peers.items()))
+        losses = peer_loss.get(stage, {})
+        served = ", ".join(
+            f"{pid[-8:]}: {n}" + (f" (loss {losses[pid]:.2f})" if losses.get(pid) is not None else "")
+            for pid, n in sorted(peers.items())
+        )
         lines.append(f"stage {stage}: {served or 'no peer'}")
     return "\n".join(lines)

@@ -462,6 +462,8 @@ class Trainer:
         self.eval_due = False
         self.last_loss: float | None = None
         self.peers_by_stage: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        # EMA of the training loss of micro-batches routed through each peer (stage -> peer -> loss)
+        self.peer_loss: dict[int, dict[str, float]] = defaultdict(dict)
         self.waiting_since: float | None = None
         self.last_wait_msg = -math.inf
         self.started = self._clock()
@@ -710,6 +712,9 @@ class Trainer:
         self.cur.tokens += mb.n_tokens
         if mb.loss is not None and math.isfinite(mb.loss):
             self.cur.losses.append(mb.loss)
+            for stage, pid in enumerate(attempt.route):  # a replica whose weights went bad shows here
+                old = self.peer_loss[stage].get(pid)
+                self.peer_loss[stage][pid] = mb.loss if old is None else 0.9 * old + 0.1 * mb.loss
         for k, v in attempt.stats.items():
             self.cur.stats[k] += v
         self.cur.completed += 1
@@ -940,6 +945,9 @@ class Trainer:
                 "trainer_id": self.trainer_id,
                 "mode": self.spec.optimizer.mode,
                 "eval_micro_batches": self.ledger.totals("eval"),
+                "peer_loss": {
+                    str(st): {p: round(v, 4) for p, v in d.items()} for st, d in self.peer_loss.items()
+                },
                 "codecs": {
                     "activations": self.spec.codecs.activations,
                     "gradients": self.spec.codecs.gradients,

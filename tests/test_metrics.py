@@ -157,3 +157,5 @@ def test_summary_numbers_and_text():
     text = format_summary(s)
     assert "20000 tokens" in text and "16.0x smaller" in text and "1 dropped" in text
     assert "stage 0: AAAAAAAA: 12, BBBBBBBB: 8" in text
+    s["peer_loss"] = {"0": {"peerAAAAAAAAAA": 2.5, "peerBBBBBBBBBB": 412.0}}
+    assert "AAAAAAAA: 12 (loss 2.50), BBBBBBBB: 8 (loss 412.00)" in format_summary(s)

@@ -184,6 +184,7 @@ def test_async_run_pipelines_accounts_and_writes_files(tmp_path):
     assert all(sim.received.get(pid(n), 0) > 5 for n in ("a0", "b0", "a1", "b1"))
     assert summary["tokens"] == 40 * spec.tokens_per_micro_batch and summary["steps"] == 40
     assert summary["loss_last"] < summary["loss_first"]
+    assert set(summary["peer_loss"]["1"]) == {pid("a1"), pid("b1")}
     assert summary["bytes_per_token"] == pytest.approx(200.0 / spec.tokens_per_micro_batch)
     steps = read_metrics(tmp_path / "metrics.jsonl", "step")
     assert [r["step"] for r in steps] == list(range(1, 41))
