@@ -19,16 +19,27 @@ dedicated thread, never the event loop), and returns ``(sent, averaged)``; the p
 ``current + (averaged - sent)`` between micro-batches (``StageCompute.apply_average``), so steps
 taken while the round ran are kept. A lone peer's round fails after the timeout; that is normal
 and reported as None.
+
+Access (private runs, allow/deny lists; see swarm/auth.py): hivemind's averaging RPCs carry no room
+for our proofs, so the averager process keeps a set of *authorized peer ids* (digests in shared
+memory, written by the peer process from the DHT records whose join proofs it verified). When the
+set is active the averager refuses ``rpc_download_state``, ``rpc_join_group`` and
+``rpc_aggregate_part`` from any other caller (the caller id is the one libp2p authenticated), and
+never dials another peer for a download, a group or an all-reduce part. One set per process (the
+averager class is per process too): several peers of one process serve the same run in tests.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
 import logging
+import multiprocessing as mp
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 
@@ -55,14 +66,85 @@ def _unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tenso
     return [part.reshape(shape).clone() for part, shape in zip(flat.split(sizes), shapes, strict=True)]
 
 
+MAX_AUTHORIZED = 1024  # peer ids in the authorized set (a stage list of a run; more are not trusted)
+_DIGEST = 16
+
+
+def _digest(peer_id: str) -> bytes:
+    return hashlib.sha256(peer_id.encode()).digest()[:_DIGEST]
+
+
+class _AuthorizedSet:
+    """Peer ids allowed to use the averager, in shared memory: written by the peer, read by its averager
+    process (forked after this was made). Inactive (everyone allowed) until ``set`` is called."""
+
+    def __init__(self) -> None:
+        self._blob = mp.Array(ctypes.c_char, MAX_AUTHORIZED * _DIGEST)  # has its own lock
+        self._count = mp.Value(ctypes.c_int, -1, lock=False)  # -1 = inactive; guarded by the blob's lock
+
+    def set(self, peer_ids: list[str] | None) -> None:
+        """Activate with exactly these peer ids (None deactivates)."""
+        digests = (
+            b"" if peer_ids is None else b"".join(sorted({_digest(p) for p in peer_ids})[:MAX_AUTHORIZED])
+        )
+        with self._blob.get_lock():
+            self._blob.raw = digests.ljust(MAX_AUTHORIZED * _DIGEST, b"\0")
+            self._count.value = -1 if peer_ids is None else len(digests) // _DIGEST
+
+    def allows(self, peer_id: object) -> bool:
+        with self._blob.get_lock():
+            count = self._count.value
+            if count < 0:
+                return True
+            raw = self._blob.raw[: count * _DIGEST]
+        d = _digest(str(peer_id))
+        return any(raw[i : i + _DIGEST] == d for i in range(0, len(raw), _DIGEST))
+
+
 @functools.lru_cache(maxsize=1)
 def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); one class per process
     from hivemind.averaging import DecentralizedAverager
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+    from hivemind.proto import averaging_pb2
 
     class _StateAverager(DecentralizedAverager):
         """A ``DecentralizedAverager`` whose downloadable state is the stage peer's full state."""
 
         state_fn: StateFn | None = None
+        authorized = _AuthorizedSet()  # made before any averager process forks: shared with all
+
+        @classmethod
+        def get_stub(cls, p2p, peer, *, namespace=None):  # noqa: ANN001 -- hivemind's signature
+            # every outgoing averaging call (state download, join a group, all-reduce parts) dials here
+            if not cls.authorized.allows(peer):
+                raise P2PDaemonError(f"peer {peer} has no valid join proof in this run; not dialling it")
+            return super().get_stub(p2p, peer, namespace=namespace)
+
+        async def rpc_download_state(self, _request, _context):  # noqa: ANN001 -- the parent's names
+            if not self.authorized.allows(_context.remote_id):
+                logger.warning("refused a state download by %s: not an authorized peer", _context.remote_id)
+                return  # an empty stream: the caller moves on to the next donor
+            async for item in super().rpc_download_state(_request, _context):
+                yield item
+
+        async def rpc_join_group(self, request, context):  # noqa: ANN001
+            if not self.authorized.allows(context.remote_id):
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            async for item in super().rpc_join_group(request, context):
+                yield item
+
+        async def rpc_aggregate_part(self, stream, context):  # noqa: ANN001
+            if not self.authorized.allows(context.remote_id):
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            async for item in super().rpc_aggregate_part(stream, context):
+                yield item
+
+    # hivemind finds handlers by their type hints; this module's annotations are strings (PEP 563)
+    # naming imports local to this function, so give the overrides their parents' resolved hints.
+    for name in ("rpc_download_state", "rpc_join_group", "rpc_aggregate_part"):
+        getattr(_StateAverager, name).__annotations__ = get_type_hints(getattr(DecentralizedAverager, name))
 
         def get_current_state(self):  # runs in the host process, in hivemind's fetcher thread
             if self.state_fn is None:
@@ -132,6 +214,10 @@ class StageAverager:
         else:
             averager.start()
         return cls(averager, prefix, sizes)
+
+    def set_authorized(self, peer_ids: list[str] | None) -> None:
+        """Only these peer ids may download state or average with this process (None: everyone)."""
+        self._averager.authorized.set(peer_ids)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Block until the averager process serves (it joins the DHT's daemon); not on the loop."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from swarm.errors import ConfigError
@@ -87,6 +87,20 @@ class PeerConfig:
     """On leaving a stage or shutting down: how long to wait for in-flight micro-batches to finish."""
     max_payload_bytes: int = 256 << 20
     """Largest activation/gradient message this peer accepts (bytes)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """The join secret of a private run (``swarm.auth.load_secret``); None for public runs. A private
+    run refuses to start without the right one."""
+    max_queue_per_sender: int | None = None
+    """Compute tasks one sender may have queued here; None = three quarters of ``max_queue``, so a
+    flood from one peer leaves room for the others."""
+    penalty_s: float = 30.0
+    """Seconds a sender is ignored after sending non-finite or absurd gradients."""
+    max_grad_rms: float = 1e4
+    """A backward payload whose root-mean-square exceeds this is refused as absurd (and penalized)."""
+    max_activation_rms: float = 1e6
+    """A forward payload whose root-mean-square exceeds this is refused as absurd."""
+    max_average_shift: float = 1.0
+    """An averaging result is skipped when ||averaged - local|| exceeds this times ||local||."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -120,6 +134,17 @@ class PeerConfig:
             set_(self, "throughput", _positive("throughput", self.throughput))
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ConfigError(f"max_queue={self.max_queue!r} must be an integer >= 1")
+        for name in ("penalty_s", "max_grad_rms", "max_activation_rms", "max_average_shift"):
+            set_(self, name, _positive(name, getattr(self, name)))
+        per_sender = self.max_queue_per_sender
+        if per_sender is None:
+            set_(self, "max_queue_per_sender", max(1, (3 * self.max_queue) // 4))
+        elif isinstance(per_sender, bool) or not isinstance(per_sender, int) or per_sender < 1:
+            raise ConfigError(f"max_queue_per_sender={per_sender!r} must be an integer >= 1 (or None)")
+        if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) != 32):
+            raise ConfigError(
+                "secret must be the 32 bytes of a join secret (swarm.auth.load_secret reads it)"
+            )
         if self.checkpoint_dir is not None:
             set_(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         if self.identity_path is not None:

@@ -15,6 +15,11 @@ payload. Streams are used for every message, small or large, because unary messa
 declares ``payload_bytes``; the receiver checks it against its cap *before* reading the parts and
 stops reading as soon as the parts exceed it.
 
+Access (``swarm/auth.py``): in a private run the sender adds ``payload_sha256`` and an ``auth`` field
+(HMAC proof of the join secret, timestamp, nonce) to the header; ``serve``'s ``gate`` checks it
+(and allow/deny lists, penalties) right after the header is read, before any payload byte is
+buffered or decoded. ``read_message`` checks ``payload_sha256`` whenever a header carries it.
+
 Replies are a single ``ExpertResponse`` whose ``metadata`` is a msgpack dict: ``{"ok": True, ...}``
 or ``{"ok": False, "error": "...", "code": "..."}``. Refusals are replies, not exceptions, so a peer
 that refuses garbage does not log a traceback per request; the caller turns them into
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -341,10 +347,19 @@ def to_parts(message: Message, *, part_bytes: int = PART_BYTES) -> list[runtime_
     return parts
 
 
+Gate = Callable[[dict[str, Any]], None]
+
+
 async def read_message(
-    parts: AsyncIterator[runtime_pb2.ExpertRequest], *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    parts: AsyncIterator[runtime_pb2.ExpertRequest],
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    gate: Gate | None = None,
 ) -> Message:
-    """Assemble a message from stream parts, validating sizes before buffering anything large."""
+    """Assemble a message from stream parts, validating sizes before buffering anything large.
+
+    ``gate(header)`` (access checks) runs on the parsed header before any payload is buffered.
+    """
     first = await anext(parts, None)
     if first is None:
         raise RequestError("empty request stream: expected at least one part with a header")
@@ -358,6 +373,8 @@ async def read_message(
         raise RequestError(f"header is not valid msgpack: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise RequestError(f"header must be a map, got {type(header).__name__}")
+    if gate is not None:
+        gate(header)
     declared = header.get("payload_bytes")
     if isinstance(declared, bool) or not isinstance(declared, int) or declared < 0:
         raise RequestError(f"header field 'payload_bytes' = {declared!r} must be a non-negative integer")
@@ -379,6 +396,9 @@ async def read_message(
         _take(part)
     if len(buf) != declared:
         raise RequestError(f"payload truncated: got {len(buf)} of the declared {declared} bytes")
+    digest = header.get("payload_sha256")
+    if digest is not None and digest != hashlib.sha256(buf).digest():
+        raise RequestError("payload does not match the header's payload_sha256: corrupted or tampered")
     return Message(header=header, payload=bytes(buf))
 
 
@@ -394,23 +414,41 @@ def _reply(d: dict[str, Any]) -> runtime_pb2.ExpertResponse:
 Handler = Callable[[Message, PeerID], Awaitable[dict[str, Any]]]
 
 
+RequestGate = Callable[[str, str, dict[str, Any]], None]
+
+
 async def serve(
-    p2p: P2P, name: str, handler: Handler, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    p2p: P2P,
+    name: str,
+    handler: Handler,
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    gate: RequestGate | None = None,
+    on_refused: Callable[[RequestError], None] | None = None,
 ) -> None:
     """Register ``handler(message, remote_peer_id) -> reply dict`` under protocol name ``name``.
 
-    ``RequestError`` raised while reading or handling becomes an ``{"ok": False}`` reply; the
-    handler's own reply gets ``ok: True`` added.
+    ``gate(name, remote_peer_id, header)``, if given, runs before any payload is read and refuses
+    by raising ``RequestError`` (``swarm.auth.RunAuth.gate`` builds one). ``RequestError`` raised
+    while reading or handling becomes an ``{"ok": False}`` reply (and is passed to ``on_refused``,
+    for counting); the handler's own reply gets ``ok: True`` added.
     """
 
     async def _handle(
         parts: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
         try:
-            message = await read_message(parts, max_payload_bytes=max_payload_bytes)
+            remote = str(context.remote_id)
+            message = await read_message(
+                parts,
+                max_payload_bytes=max_payload_bytes,
+                gate=None if gate is None else (lambda header: gate(name, remote, header)),
+            )
             reply = await handler(message, context.remote_id)
             return _reply({"ok": True, **reply})
         except RequestError as e:
+            if on_refused is not None:
+                on_refused(e)
             await _discard_rest(parts)
             return _reply({"ok": False, "error": str(e), "code": type(e).__name__})
 
@@ -443,14 +481,21 @@ async def _discard_rest(parts: AsyncIterator[runtime_pb2.ExpertRequest]) -> None
 
 
 async def call(
-    p2p: P2P, peer: PeerID | str, name: str, message: Message, *, timeout_s: float
+    p2p: P2P, peer: PeerID | str, name: str, message: Message, *, timeout_s: float, auth: Any = None
 ) -> dict[str, Any]:
     """Send ``message`` to ``peer``'s handler ``name`` and return its reply dict.
 
-    Raises ``RequestError`` when the peer refused the request (the message says why), and
-    ``PeerFailure`` (reason ``timeout`` or ``unreachable``) when it could not be reached in time.
+    ``auth`` (a ``swarm.auth.RunAuth``) signs the request in a private run. Raises ``RequestError``
+    when the peer refused the request (the message says why), and ``PeerFailure`` (reason
+    ``timeout`` or ``unreachable``) when it could not be reached in time.
     """
     peer_id = peer_id_from_str(peer) if isinstance(peer, str) else peer
+    if auth is not None and auth.private:
+        header = dict(message.header)
+        header["payload_bytes"] = len(message.payload)
+        header["payload_sha256"] = hashlib.sha256(message.payload).digest()
+        header = auth.sign_request(name, str(p2p.peer_id), str(peer_id), header)
+        message = Message(header, message.payload)
     parts = to_parts(message)
     try:
         response = await asyncio.wait_for(_first_response(p2p, peer_id, name, parts), timeout=timeout_s)

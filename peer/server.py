@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import random
 import threading
 import time
@@ -60,6 +61,7 @@ from peer.protocol import (
 from peer.runtime import ComputeQueue
 from peer.stash import VersionEvicted
 from peer.throughput import measure_throughput
+from swarm.auth import AuthError, PenaltyBox, RunAuth, SenderLimiter
 from swarm.errors import ConfigError, PeerFailure, RequestError, SwarmError
 
 __all__ = ["StagePeer"]
@@ -67,6 +69,7 @@ __all__ = ["StagePeer"]
 logger = logging.getLogger(__name__)
 
 _EXPIRY_PERIOD_S = 1.0
+_AUTHORIZED_PERIOD_S = 1.0
 
 
 class StagePeer:
@@ -87,7 +90,13 @@ class StagePeer:
             "expired": 0,
             "moves": 0,
             "averaging_rounds": 0,
+            "refused_auth": 0,  # no valid join proof, listed, penalized (part of "refused")
+            "penalized": 0,  # senders put in the penalty box for poison gradients
+            "averaging_skipped": 0,  # averaging results refused as non-finite or absurd
         }
+        self.auth: Any = None  # swarm.auth.RunAuth once the spec is known
+        self._penalties = PenaltyBox(config.penalty_s)
+        self._limiter = SenderLimiter(config.max_queue_per_sender)
         self.loaded_from = ""  # "peer", "checkpoint" or "seed": where the stage's state came from
         self._dht: Any = None
         self._p2p: Any = None
@@ -185,6 +194,10 @@ class StagePeer:
             if warning:
                 logger.warning("%s", warning)
             self.spec = await asyncio.to_thread(self._membership.fetch_spec, cfg.spec_timeout_s)
+            # a private run needs the right secret (ConfigError otherwise); from here on every record
+            # we write carries a join proof and every record we read must carry one
+            self.auth = RunAuth.from_spec(self.spec, cfg.secret)
+            self._membership.set_auth(self.auth)
             self._check_device()
             from compression import CodecError, get_codec
 
@@ -208,11 +221,20 @@ class StagePeer:
                 (BACKWARD, self._on_backward),
                 (INFO, self._on_info),
             ):
-                await serve(self._p2p, name, handler, max_payload_bytes=cfg.max_payload_bytes)
+                await serve(
+                    self._p2p,
+                    name,
+                    handler,
+                    max_payload_bytes=cfg.max_payload_bytes,
+                    gate=self._gate,
+                    on_refused=self._count_refusal,
+                )
             self.state = "online"
             await self._announce()
             self._spawn(self._announce_loop())
             self._spawn(self._expiry_loop())
+            if self.auth.gated:
+                self._spawn(self._authorized_loop())
             if cfg.checkpoint_dir is not None:
                 self._spawn(self._checkpoint_loop())
             logger.info("peer %s serving stage %d of run %s", self.peer_id, self.stage, cfg.run_id)
@@ -283,6 +305,7 @@ class StagePeer:
             min_matchmaking_time_s=self.config.averaging_matchmaking_s,
         )
         await asyncio.to_thread(self._averager.wait_ready, 30.0)
+        await self._refresh_authorized()
         records = await asyncio.to_thread(self._membership.stage_records, stage)
         others = [r for pid, r in records.items() if pid != self.peer_id and r.state == "online"]
         loaded = None
@@ -465,6 +488,26 @@ class StagePeer:
                     reason=f"stash expired: no backward within {self.spec.stash_ttl_s:.0f} s",
                 )
 
+    async def _refresh_authorized(self) -> None:
+        """Tell the averager which peer ids may download state or average with us: the stage peers of
+        the run whose DHT records carry valid join proofs (Membership already dropped the rest)."""
+        if self.auth is None or not self.auth.gated or self._averager is None:
+            return
+        records = await asyncio.to_thread(self._membership.all_stage_records)
+        allowed = {pid for stage in records for pid in stage} | {self.peer_id}
+        averager = self._averager
+        if averager is not None:
+            averager.set_authorized(sorted(allowed))
+
+    async def _authorized_loop(self) -> None:
+        # every second: a joiner announces itself (with its proof) just before it asks for state
+        while True:
+            await asyncio.sleep(_AUTHORIZED_PERIOD_S)
+            try:
+                await self._refresh_authorized()
+            except (SwarmError, OSError) as e:
+                logger.warning("refreshing the authorized peers failed: %s", e)
+
     async def _checkpoint_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.checkpoint_period_s)
@@ -516,6 +559,12 @@ class StagePeer:
         if result is None or stop.is_set() or compute is not self._compute:
             return
         sent, averaged = result
+        problem = _average_problem(sent, averaged, self.config.max_average_shift)
+        if problem is not None:
+            # a faulty or malicious group member: keep the local weights, skip this round
+            self.counters["averaging_skipped"] += 1
+            logger.warning("skipping an averaging round of stage %d: %s", compute.stage, problem)
+            return
         compute.apply_average(sent, averaged)
         self.counters["averaging_rounds"] += 1
 
@@ -538,6 +587,34 @@ class StagePeer:
         if self._queue is not None:
             self._queue.notify()
 
+    def _gate(self, name: str, sender: str, header: dict[str, Any]) -> None:
+        """Runs on every request's header before its payload is read: penalties, lists, join proof."""
+        try:
+            self._penalties.check(sender)
+            self.auth.check_request(name, sender, self.peer_id, header)
+        except AuthError:
+            self.counters["refused_auth"] += 1
+            raise
+
+    def _count_refusal(self, error: RequestError) -> None:
+        self.counters["refused"] += 1
+
+    def _submit(self, kind: str, sender: str, fn: Any) -> int:
+        """Queue ``fn`` under the sender's cap (``SenderLimiter``) and the queue's global cap."""
+        self._limiter.acquire(sender)
+
+        def task(waited: float) -> None:
+            try:
+                fn(waited)
+            finally:
+                self._limiter.release(sender)
+
+        try:
+            return self.queue.submit(kind, task)  # type: ignore[arg-type]
+        except RequestError:
+            self._limiter.release(sender)
+            raise
+
     def _check_common(self, run_id: str, spec_hash: str, stage: int, what: str) -> StageCompute:
         if run_id != self.spec.run_id or spec_hash != self.spec.spec_hash:
             raise RequestError(
@@ -552,8 +629,12 @@ class StagePeer:
             )
         return compute
 
-    def _decode(self, payload: bytes, shape: tuple[int, ...], what: str) -> torch.Tensor:
-        """Check the codec header's shape before decoding, then decode and check values (thread pool)."""
+    def _decode(self, payload: bytes, shape: tuple[int, ...], what: str, max_rms: float) -> torch.Tensor:
+        """Check the codec header's shape before decoding, then decode and check values (thread pool).
+
+        Non-finite values, or a root-mean-square above ``max_rms``, raise ``PoisonError`` so that a
+        caller can penalize the sender (gradients) or just refuse (activations).
+        """
         from compression import CodecError, decode_any, header_info
 
         cap = self.config.max_payload_bytes * 8
@@ -569,9 +650,16 @@ class StagePeer:
             raise RequestError(f"{what} payload cannot be decoded: {e}") from None
         if not tensor.is_floating_point():
             raise RequestError(f"{what} payload has dtype {tensor.dtype}; expected floating point")
+        tensor = tensor.float()
         if not torch.isfinite(tensor).all():
-            raise RequestError(f"{what} payload holds NaN or Inf values; refusing it")
-        return tensor.float()
+            raise PoisonError(f"{what} payload holds NaN or Inf values; refusing it")
+        rms = float(tensor.pow(2).mean().sqrt()) if tensor.numel() else 0.0
+        if not rms <= max_rms:  # also catches an overflow to inf in the square
+            raise PoisonError(
+                f"{what} payload has root-mean-square {rms:.3g}, above this peer's cap {max_rms:g}; "
+                "refusing it as absurd"
+            )
+        return tensor
 
     async def _on_info(self, message: Message, remote: Any) -> dict[str, Any]:
         compute = self._compute
@@ -612,16 +700,21 @@ class StagePeer:
                 x = tokens
             else:
                 shape = (h.batch, h.seq, compute.width)  # width = d_model, or k in a subspace run
-                x = await asyncio.to_thread(self._decode, message.payload, shape, "forward")
+                x = await asyncio.to_thread(
+                    self._decode, message.payload, shape, "forward", self.config.max_activation_rms
+                )
             if h.mode == "train" and h.mb_id in compute.stash:
                 raise RequestError(
                     f"micro-batch {h.mb_id!r} is already in flight here; every attempt needs a new mb_id"
                 )
-            n = self.queue.submit(
-                "forward", lambda waited: self._forward_task(compute, h, x, tokens, targets, waited)
+            n = self._submit(
+                "forward",
+                str(remote),
+                lambda waited: self._forward_task(compute, h, x, tokens, targets, waited),
             )
-        except RequestError:
-            self.counters["refused"] += 1
+        except RequestError as e:
+            if remote is None:  # called without the network (tests): serve's on_refused did not count it
+                self._count_refusal(e)
             raise
         return {"queue": n}
 
@@ -645,12 +738,22 @@ class StagePeer:
                 )
                 self._report_failed(fwd, stage=compute.stage, peer=self.peer_id, reason=reason)
                 raise RequestError(reason)
-            grad = await asyncio.to_thread(self._decode, message.payload, entry.output_shape, "backward")
-            n = self.queue.submit(
-                "backward", lambda waited: self._backward_task(compute, h, fwd, grad, waited)
+            try:
+                grad = await asyncio.to_thread(
+                    self._decode, message.payload, entry.output_shape, "backward", self.config.max_grad_rms
+                )
+            except PoisonError as e:
+                # one faulty or malicious peer must not poison the stage: ignore it for a while
+                self._penalties.penalize(str(remote))
+                self.counters["penalized"] += 1
+                logger.warning("ignoring %s for %.0f s: %s", remote, self.config.penalty_s, e)
+                raise
+            n = self._submit(
+                "backward", str(remote), lambda waited: self._backward_task(compute, h, fwd, grad, waited)
             )
-        except RequestError:
-            self.counters["refused"] += 1
+        except RequestError as e:
+            if remote is None:
+                self._count_refusal(e)
             raise
         return {"queue": n}
 
@@ -817,6 +920,7 @@ class StagePeer:
                 FORWARD,
                 Message(header.to_wire(), payload),
                 timeout_s=self.config.request_timeout_s,
+                auth=self.auth,
             )
         except (PeerFailure, RequestError) as e:
             self.counters["failed_sends"] += 1
@@ -834,6 +938,7 @@ class StagePeer:
                 BACKWARD,
                 Message(header.to_wire(), payload),
                 timeout_s=self.config.request_timeout_s,
+                auth=self.auth,
             )
         except (PeerFailure, RequestError) as e:
             self.counters["failed_sends"] += 1
@@ -857,11 +962,29 @@ class StagePeer:
                 REPORT,
                 Message(report.to_wire(), payload),
                 timeout_s=self.config.request_timeout_s,
+                auth=self.auth,
             )
         except (PeerFailure, RequestError) as e:
             logger.info(
                 "report %s of %s to trainer %s was not delivered: %s", report.kind, report.mb_id, trainer, e
             )
+
+
+class PoisonError(RequestError):
+    """A tensor from a peer holds NaN/Inf or absurd magnitudes."""
+
+
+def _average_problem(sent: list[torch.Tensor], averaged: list[torch.Tensor], max_shift: float) -> str | None:
+    """Why an averaging result must not be applied (non-finite, or too far from our weights), or None."""
+    if not all(bool(torch.isfinite(t).all()) for t in averaged):
+        return "the averaged state holds NaN or Inf"
+    shift = math.sqrt(sum(float((a - s).double().pow(2).sum()) for s, a in zip(sent, averaged, strict=True)))
+    norm = math.sqrt(sum(float(s.double().pow(2).sum()) for s in sent))
+    if shift > max_shift * max(norm, 1e-12):
+        return (
+            f"the averaged state is {shift:.3g} away from ours (norm {norm:.3g}), over {max_shift:g}x: absurd"
+        )
+    return None
 
 
 def _decodable_codecs() -> tuple[str, ...]:

@@ -48,6 +48,10 @@ class BootstrapConfig:
     """Seconds between status lines in ``serve``."""
     spec_expiration_s: float = SPEC_EXPIRATION_S
     registry_expiration_s: float = REGISTRY_EXPIRATION_S
+    secret: bytes | None = field(default=None, repr=False)
+    """The join secret of a private run (``spec.access.private``): the owner checks peers' proofs too."""
+    secret_file: str | None = None
+    """Where the secret is stored; the join commands point joiners to a copy of it."""
 
     def __post_init__(self) -> None:
         for name in ("refresh_interval_s", "status_interval_s", "spec_expiration_s", "registry_expiration_s"):
@@ -83,6 +87,9 @@ class Bootstrap:
             spec = self.cfg.spec
             self.membership = Membership(self.dht, spec.run_id if spec else None)
             if spec is not None:
+                from swarm.auth import RunAuth
+
+                self.membership.set_auth(RunAuth.from_spec(spec, self.cfg.secret))
                 self._refuse_taken_run_id(spec)
             self.refresh()
         except BaseException:
@@ -137,9 +144,13 @@ class Bootstrap:
         spec = self.cfg.spec
         if spec is None:
             return [f"swarm init RUN.yaml --initial-peers {address}", f"swarm runs --initial-peers {address}"]
+        secret = ""
+        if spec.access is not None and spec.access.private:
+            # the secret itself is printed once by `swarm init`, never put on a command line
+            secret = f" --secret-file {self.cfg.secret_file or 'SECRET_FILE'}"
         return [
-            f"swarm peer --initial-peers {address} --run {spec.run_id}",
-            f"swarm train --initial-peers {address} --run {spec.run_id}",
+            f"swarm peer --initial-peers {address} --run {spec.run_id}{secret}",
+            f"swarm train --initial-peers {address} --run {spec.run_id}{secret}",
             f"swarm status --initial-peers {address} --run {spec.run_id}",
         ]
 

@@ -14,6 +14,11 @@ with ``records.*.from_wire`` and silently drop what fails (wrong types, NaN or n
 another run or spec hash, a subkey not signed by the claimed peer); each drop adds one to
 ``membership.rejected`` (reasons in ``rejected_reasons``). A reader never raises on garbage.
 
+Access (``swarm/auth.py``): once ``set_auth(RunAuth)`` is called (after ``fetch_spec``, since the
+spec says whether the run is private), writers add a join proof to their peer and progress records,
+and readers also drop records whose proof is missing, invalid or expired, or whose peer id the
+run's allow/deny lists refuse: an outsider never appears in stage lists or progress.
+
 Lifetimes (``expiration_s`` arguments; hivemind drops a record when it expires, and nothing else
 removes a dead peer's record):
 
@@ -47,6 +52,7 @@ from swarm.records import (
     SpecRecord,
     check_run_id,
     labelled_subkey,
+    peer_id_of_subkey,
     progress_key,
     run_prefix,
     spec_key,
@@ -56,6 +62,7 @@ from swarm.records import (
 if TYPE_CHECKING:
     import hivemind
 
+    from swarm.auth import RunAuth
     from swarm.spec import RunSpec
 
 __all__ = [
@@ -121,6 +128,7 @@ class Membership:
         spec_hash: str | None = None,
         *,
         call_timeout_s: float = 20.0,
+        auth: RunAuth | None = None,
         _shared: _Shared | None = None,
     ) -> None:
         self.dht = dht
@@ -130,6 +138,9 @@ class Membership:
         self.spec_hash = spec_hash
         self.call_timeout_s = call_timeout_s
         self.spec: RunSpec | None = None
+        self.auth: RunAuth | None = None
+        if auth is not None:
+            self.set_auth(auth)
         self._signer = local_signer(dht)
         self._shared = _shared or _Shared()
         if self.run_id is not None and self.run_id not in self._shared.runs_with_schema:
@@ -145,6 +156,15 @@ class Membership:
         return Membership(
             self.dht, run_id, spec_hash, call_timeout_s=self.call_timeout_s, _shared=self._shared
         )
+
+    def set_auth(self, auth: RunAuth | None) -> None:
+        """Prove membership in writes and require it in reads (see the module docstring)."""
+        if auth is not None and auth.run_id != self.run_id:
+            raise ConfigError(f"access rules of run {auth.run_id!r} cannot guard run {self.run_id!r}")
+        self.auth = auth
+
+    def _proof(self) -> dict:
+        return {} if self.auth is None else self.auth.record_proof(self.peer_id)
 
     # ------------------------------------------------------------------------------- plumbing
 
@@ -320,7 +340,10 @@ class Membership:
                 f"stage {record.stage} does not exist: run {run_id!r} has {self.spec.num_stages}"
             )
         return self._store(
-            stage_key(run_id, record.stage), self._signer.marker, record.to_wire(), expiration_s
+            stage_key(run_id, record.stage),
+            self._signer.marker,
+            record.to_wire() | self._proof(),
+            expiration_s,
         )
 
     def announce_leaving(self, record: PeerRecord, expiration_s: float = PEER_EXPIRATION_S) -> bool:
@@ -331,10 +354,17 @@ class Membership:
 
     def _parse_stage(self, run_id: str, stage: int, items: Mapping[Any, Any]) -> dict[str, PeerRecord]:
         spec_hash = self.spec_hash
-        records = self._parse(
-            items,
-            lambda v, s: PeerRecord.from_wire(v, subkey=s, run_id=run_id, stage=stage, spec_hash=spec_hash),
-        )
+        auth = self.auth
+
+        def parse(value: Any, subkey: Any) -> PeerRecord:
+            record = PeerRecord.from_wire(
+                value, subkey=subkey, run_id=run_id, stage=stage, spec_hash=spec_hash
+            )
+            if auth is not None:
+                auth.check_record(record.peer_id, value)
+            return record
+
+        records = self._parse(items, parse)
         return {r.peer_id: r for r in sorted(records, key=lambda r: r.peer_id)}
 
     def stage_records(self, stage: int) -> dict[str, PeerRecord]:
@@ -409,7 +439,7 @@ class Membership:
             tokens_per_s=float(tokens_per_s),
         )
         subkey = labelled_subkey(trainer_id, self._signer.marker)
-        return self._store(progress_key(run_id), subkey, record.to_wire(), expiration_s)
+        return self._store(progress_key(run_id), subkey, record.to_wire() | self._proof(), expiration_s)
 
     def progress(self) -> dict[str, Any]:
         """Training progress of the run's live trainers, summed.
@@ -422,9 +452,15 @@ class Membership:
         run_id = self._run()
         [items] = self._get_many([progress_key(run_id)])
         spec_hash = self.spec_hash
-        records = self._parse(
-            items, lambda v, s: ProgressRecord.from_wire(v, subkey=s, run_id=run_id, spec_hash=spec_hash)
-        )
+        auth = self.auth
+
+        def parse(value: Any, subkey: Any) -> ProgressRecord:
+            record = ProgressRecord.from_wire(value, subkey=subkey, run_id=run_id, spec_hash=spec_hash)
+            if auth is not None:
+                auth.check_record(peer_id_of_subkey(subkey), value)
+            return record
+
+        records = self._parse(items, parse)
         trainers: dict[str, dict[str, Any]] = {}
         for r in sorted(records, key=lambda r: r.trainer_id):
             trainers[r.trainer_id] = {

@@ -51,6 +51,7 @@ __all__ = [
     "CodecsConfig",
     "OptimizerConfig",
     "AveragingConfig",
+    "AccessConfig",
     "split_layers",
     "MAX_SPEC_BYTES",
 ]
@@ -600,6 +601,63 @@ class AveragingConfig:
         )
 
 
+_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58 libp2p peer id
+MAX_ACCESS_LIST = 256  # peer ids per allow/deny list: keeps the spec far below the DHT value cap
+
+
+@dataclass(frozen=True, kw_only=True)
+class AccessConfig:
+    """Who may take part (see swarm/auth.py). Left out of the spec (and its hash) when absent.
+
+    Written by ``swarm init --private`` or by hand (``access: {deny: [PEER_ID, ...]}``); it never
+    holds the join secret, only ``secret_check``, which lets joiners detect a wrong secret.
+    """
+
+    _SECTION: ClassVar[str] = "access"
+
+    private: bool = False
+    """True: only holders of the run's join secret may appear in the DHT or call any peer."""
+    secret_check: str | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """16 hex chars, ``swarm.auth.secret_check(secret, run_id)``; required when private."""
+    allow: tuple[str, ...] = ()
+    """If non-empty, only these peer ids (base58) may take part."""
+    deny: tuple[str, ...] = ()
+    """These peer ids may never take part (wins over ``allow``)."""
+
+    def __post_init__(self) -> None:
+        s = self._SECTION
+        if not isinstance(self.private, bool):
+            raise _reject(f"{s}.private", self.private, "it must be true or false", "Write private: true.")
+        check = self.secret_check
+        if self.private and (not isinstance(check, str) or not re.fullmatch(r"[0-9a-f]{16}", check)):
+            raise _reject(
+                f"{s}.secret_check",
+                check,
+                "a private run needs the 16 hex chars of swarm.auth.secret_check(secret, run_id)",
+                "Create private runs with `swarm init RUN.yaml --private --secret-file PATH`.",
+            )
+        if not self.private and check is not None:
+            raise _reject(f"{s}.secret_check", check, "only a private run has a secret check", "Remove it.")
+        for name in ("allow", "deny"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or len(value) > MAX_ACCESS_LIST:
+                raise _reject(
+                    f"{s}.{name}",
+                    value,
+                    f"it must be a list of at most {MAX_ACCESS_LIST} peer ids",
+                    "Fix the list.",
+                )
+            for pid in value:
+                if not isinstance(pid, str) or not _PEER_ID_RE.fullmatch(pid):
+                    raise _reject(
+                        f"{s}.{name}",
+                        pid,
+                        "each entry must be a base58 libp2p peer id",
+                        "Copy ids from `swarm status`.",
+                    )
+            _set(self, name, tuple(sorted(set(value))))
+
+
 # ---------------------------------------------------------------------------------------------
 # The run spec
 # ---------------------------------------------------------------------------------------------
@@ -629,6 +687,8 @@ class RunSpec:
     """``auto`` (bf16 on CUDA when supported, else full precision), ``none``, ``bf16`` or ``fp16``."""
     stash_ttl_s: float = 120.0
     """Seconds a stashed forward waits for its backward before it is dropped (its micro-batch fails)."""
+    access: AccessConfig | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """Private run / allow / deny lists (swarm/auth.py); None = open to everyone (hash unchanged)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str):
@@ -689,6 +749,10 @@ class RunSpec:
                 hint="Use a timeout in seconds such as 120.",
             ),
         )
+        if self.access is not None and not isinstance(self.access, AccessConfig):
+            raise _reject(
+                "access", self.access, "it must be an AccessConfig", "Load the spec with RunSpec.from_dict."
+            )
 
     # ---- derived quantities -------------------------------------------------------------------
 
@@ -779,8 +843,11 @@ class RunSpec:
             "codecs": CodecsConfig,
             "optimizer": OptimizerConfig,
             "averaging": AveragingConfig,
+            "access": AccessConfig,
         }
         for name, section_cls in sections.items():
+            if name == "access" and top.get(name, {}) is None:
+                continue  # `access:` with nothing under it: an open run
             if name in top:
                 # `optimizer:` with every key commented out parses as None: treat it as "all defaults".
                 value = {} if top[name] is None and name in ("optimizer", "averaging") else top[name]

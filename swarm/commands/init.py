@@ -4,6 +4,11 @@
     swarm init examples/tiny.yaml --public --host-maddrs /ip4/0.0.0.0/tcp/31337 \\
         --announce-maddrs /ip4/<PUBLIC_IP>/tcp/31337 --identity bootstrap.key
     swarm init                                     # a plain entry point, no run
+    swarm init examples/tiny.yaml --private --secret-file tiny.secret   # only secret holders may join
+
+A private run's join secret is printed once (with the join commands) and kept in ``--secret-file``
+(mode 0600; an existing file is reused, so a restarted owner keeps the same run). Joiners pass a copy
+with ``--secret-file`` or the SWARMPIPE_SECRET environment variable; see SECURITY.md.
 
 It runs until Ctrl-C or SIGTERM, printing a status line every ``--status-interval-s`` seconds and
 re-publishing the run before its DHT records expire; it shuts the DHT down on the way out.
@@ -58,6 +63,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--public", action="store_true", help="listen on all interfaces (/ip4/0.0.0.0/tcp/0)")
     p.add_argument(
+        "--private",
+        action="store_true",
+        help="only holders of the run's join secret may take part (needs --secret-file)",
+    )
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="where the join secret of a --private run is kept (created with mode 0600, or reused)",
+    )
+    p.add_argument(
         "--status-interval-s",
         type=float,
         default=10.0,
@@ -76,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     from swarm.spec import RunSpec
 
     spec = RunSpec.from_yaml(args.spec) if args.spec else None
+    secret, created = None, False
+    if args.private:
+        spec, secret, created = _make_private(spec, args.secret_file)
     dht_cfg_kwargs = {}
     if args.host_maddrs is not None:
         dht_cfg_kwargs["host_maddrs"] = tuple(args.host_maddrs)
@@ -89,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         ),
         spec=spec,
         status_interval_s=args.status_interval_s,
+        secret=secret,
+        secret_file=args.secret_file,
     )
 
     stop = threading.Event()
@@ -105,6 +126,14 @@ def run(args: argparse.Namespace) -> int:
         warning = reachability_warning(cfg.dht.initial_peers, list(cfg.dht.announce_maddrs) or maddrs)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
+        if secret is not None:
+            from swarm.auth import SECRET_ENV, format_secret
+
+            state = "written to" if created else "read from"
+            print(f"private run: the join secret was {state} {args.secret_file} (mode 0600).")
+            print(
+                f"  it is printed only now; give it to joiners privately: {SECRET_ENV}={format_secret(secret)}"
+            )
         print("join with:")
         for command in boot.join_commands():
             print(f"  {command}")
@@ -116,3 +145,34 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     print("bootstrap node stopped.", flush=True)
     return 0
+
+
+def _make_private(spec, secret_file):  # type: ignore[no-untyped-def]
+    """The spec with ``access.private`` set, its secret and whether the secret file was created now."""
+    import dataclasses
+
+    from swarm.auth import generate_secret, read_secret_file, secret_check, write_secret_file
+    from swarm.errors import ConfigError
+    from swarm.spec import AccessConfig
+
+    if spec is None:
+        raise ConfigError("--private needs a run spec: swarm init RUN.yaml --private --secret-file PATH")
+    if not secret_file:
+        raise ConfigError(
+            "--private needs --secret-file PATH: the join secret is stored there (mode 0600) for the owner "
+            "and copied to joiners; it is never passed on a command line"
+        )
+    created = not os.path.exists(secret_file)
+    if created:
+        secret = generate_secret()
+        write_secret_file(secret_file, secret)
+    else:
+        secret = read_secret_file(secret_file)
+    old = spec.access
+    access = AccessConfig(
+        private=True,
+        secret_check=secret_check(secret, spec.run_id),
+        allow=old.allow if old else (),
+        deny=old.deny if old else (),
+    )
+    return dataclasses.replace(spec, access=access), secret, created

@@ -69,6 +69,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--request-timeout", type=float, default=30.0, metavar="S", help="timeout of one call to the next hop"
     )
+    p.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="join secret of a private run (default: the SWARMPIPE_SECRET environment variable)",
+    )
     p.set_defaults(func=run)
 
 
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     from peer.config import PeerConfig
     from peer.runner import run_peer
+    from swarm.auth import load_secret
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = PeerConfig(
@@ -95,5 +101,6 @@ def run(args: argparse.Namespace) -> int:
         announce_period_s=args.announce_period,
         rebalance=False if args.no_rebalance else None,
         request_timeout_s=args.request_timeout,
+        secret=load_secret(args.secret_file),
     )
     return run_peer(config)
