@@ -13,9 +13,8 @@ a bootstrap node (``swarm init``), one stage peer per stage (``swarm peer --stag
 (``swarm train``); the pipelining ranks use the stage peers' namespaces. Each link's egress is capped
 with tbf at the run's rate, the same for every node.
 
-- throughput: at each rate, the swarm with its default codec and with ``none`` (async mode), and
-  pipelining with the GPipe and 1F1B schedules; at the slowest-but-one rate also every other codec
-  and sync mode. Tokens/s = median over windows of ``pipe_n_micro`` micro-batches after warm-up (for
+- throughput: at each rate, the swarm with its default codec (async mode) and pipelining with the
+  GPipe and 1F1B schedules; at ``sweep_rate`` (20mbit) also every other codec, and sync mode. Tokens/s = median over windows of ``pipe_n_micro`` micro-batches after warm-up (for
   pipelining a window is one optimizer step), so both sides are measured the same way.
 - bytes on the wire per token: the lab's link counters (all nodes, frames with headers, DHT chatter
   included) over tokens trained; next to it the payload the trainer's metrics count.
@@ -45,6 +44,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -88,8 +88,12 @@ class LinksConfig:
     """Codecs of the codec sweep and of the convergence runs."""
     default_codec: str = "blockwise8"
     """The swarm's default codec (examples/bench.yaml), run at every rate."""
-    sweep_rate: str = "20mbit"
+    sweep_rate: str | None = "20mbit"
     """Rate at which every codec and sync mode are also measured."""
+    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    """Pipelining schedules measured at every rate."""
+    single_threads: tuple[int, ...] | None = None
+    """Thread counts of the single-process runs; None = 1 and every core (see Note [threads])."""
     accumulate: int = 4
     """Micro-batches per optimizer step, in sync and async mode alike."""
     lr_warmup_steps: int = 4
@@ -98,7 +102,7 @@ class LinksConfig:
     """Micro-batches per throughput run (warm-up included)."""
     warmup_mb: int = 8
     """Micro-batches left out of throughput medians."""
-    convergence_mb: int = 96
+    convergence_mb: int = 32
     """Micro-batches per convergence run (the token budget), on unshaped links."""
     pipe_n_micro: int = 8
     """Micro-batches per pipelining step (its throughput window; also the swarm's window)."""
@@ -128,7 +132,7 @@ class LinksConfig:
                     f"{name} = {getattr(self, name)} must be a multiple of accumulate = {self.accumulate} "
                     "(a trainer runs whole optimizer steps)"
                 )
-        for r in (*self.rates, self.sweep_rate):
+        for r in (*self.rates, *([self.sweep_rate] if self.sweep_rate else [])):
             format_rate(r)  # raises ConfigError on a bad rate
         if self.loopback and any(format_rate(r) != "none" for r in self.rates):
             raise ConfigError(
@@ -169,7 +173,7 @@ def plan(cfg: LinksConfig) -> list[Job]:
     the swarm, so the swarm has one run per (codec, mode, rate) at most.
     """
     rates = [format_rate(r) for r in cfg.rates]
-    sweep = format_rate(cfg.sweep_rate)
+    sweep = format_rate(cfg.sweep_rate) if cfg.sweep_rate else None
     jobs: dict[tuple, Job] = {}
 
     def add(job: Job) -> None:
@@ -184,8 +188,7 @@ def plan(cfg: LinksConfig) -> list[Job]:
                 purposes=tuple(dict.fromkeys(old.purposes + job.purposes)),
             )
 
-    cores = os.cpu_count() or 1
-    for threads in dict.fromkeys([1, cores]):
+    for threads in dict.fromkeys(cfg.single_threads or (1, os.cpu_count() or 1)):
         jobs[("single", threads)] = Job(
             "single", micro_batches=cfg.throughput_mb, purposes=("throughput", "memory"), threads=threads
         )
@@ -195,7 +198,7 @@ def plan(cfg: LinksConfig) -> list[Job]:
                 Job("swarm", "none", codec, mode, micro_batches=cfg.convergence_mb, purposes=("convergence",))
             )
     for rate in rates:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in cfg.schedules:
             add(
                 Job(
                     "pipelining",
@@ -205,8 +208,16 @@ def plan(cfg: LinksConfig) -> list[Job]:
                     purposes=("throughput", "memory"),
                 )
             )
-        for codec in dict.fromkeys([cfg.default_codec, "none"]):
-            add(Job("swarm", rate, codec, "async", micro_batches=cfg.throughput_mb, purposes=("throughput",)))
+        add(
+            Job(
+                "swarm",
+                rate,
+                cfg.default_codec,
+                "async",
+                micro_batches=cfg.throughput_mb,
+                purposes=("throughput",),
+            )
+        )
     if sweep in rates:
         for codec in cfg.codecs:
             add(Job("swarm", sweep, codec, "async", micro_batches=cfg.throughput_mb, purposes=("codecs",)))
@@ -536,6 +547,9 @@ def run_swarm(
             )
     finally:
         watcher.stop()
+        for proc in procs:  # all at once: each peer takes seconds to leave the DHT cleanly
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         for proc in reversed(procs):
             lab.stop(proc, grace_s=10.0)
         for f in logs:
@@ -562,6 +576,9 @@ def run_swarm(
             "threads_per_peer": threads,
             "startup_s": t_online - t_start,
             "wire_bytes_per_token": wire,
+            "wire_bytes_per_token_by_node": None
+            if wire is None
+            else {n: (tx1[n] - tx0[n]) / tokens for n in tx0},
             "peak_rss_mb": {name: m for name, m in memory.items()},
         }
     )
@@ -651,7 +668,7 @@ def analyse(cfg: LinksConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
     """Ratios for the issue's targets and the convergence table, from one run's results (pure)."""
     dc = cfg.default_codec
     rates = [format_rate(r) for r in cfg.rates]
-    slow = format_rate(cfg.sweep_rate)
+    slow = format_rate(cfg.sweep_rate) if cfg.sweep_rate else None
     out: dict[str, Any] = {"targets": {}, "convergence": {}}
     t = out["targets"]
 
@@ -1093,11 +1110,15 @@ def _run_job(
 
 
 def quick_config(**kw: Any) -> LinksConfig:
-    """``--quick``: the bench model at 1/4 width and half depth, codecs none/blockwise8, rates none/5mbit."""
+    """``--quick``: the bench model at 1/4 width and half depth; codecs none and blockwise8 (both modes,
+    unshaped), rates none and 5mbit, 1F1B only, one single-process run: 8 runs, most of their time is
+    process start-up."""
     base = {
         "model_overrides": dict(QUICK_MODEL),
         "rates": ("none", "5mbit"),
-        "sweep_rate": "5mbit",
+        "sweep_rate": None,
+        "schedules": ("1f1b",),
+        "single_threads": (1,),
         "codecs": ("none", "blockwise8"),
         "throughput_mb": 16,
         "warmup_mb": 4,
@@ -1125,7 +1146,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="results name (default links, links_quick, ...)")
     parser.add_argument("--plan", action="store_true", help="print the runs and exit")
     parser.add_argument("--no-markdown", action="store_true", help="do not touch BENCHMARKS.md")
+    parser.add_argument(
+        "--render",
+        metavar="NAME",
+        default=None,
+        help="rewrite the Links section from results/NAME.json (and the reading in results/NAME_reading.md) "
+        "without running anything",
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        report = json.loads((RESULTS_DIR / f"{args.render}.json").read_text())
+        reading = RESULTS_DIR / f"{args.render}_reading.md"
+        if reading.exists():
+            report["reading"] = reading.read_text().strip()
+        write_markdown(markdown_section(report))
+        print(f"rewrote the {SECTION!r} section of {MARKDOWN} from results/{args.render}.json")
+        return 0
 
     kw: dict[str, Any] = {"spec_path": args.spec, "loopback": args.loopback}
     if args.rates:
