@@ -8,6 +8,7 @@ gradients; U and E_fix are the same on every machine.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import pathlib
 import subprocess
@@ -19,7 +20,7 @@ import torch
 
 from compression import decode_any, get_codec
 from swarm.errors import ConfigError, RequestError
-from swarm.model import SubspaceEmbedding, SubspaceLinear, build_model, build_stage, lm_loss
+from swarm.model import INIT_STD, SubspaceEmbedding, SubspaceLinear, build_model, build_stage, lm_loss
 from swarm.spec import RunSpec, SubspaceConfig
 from swarm.subspace import (
     FIXED_EMBED_STD,
@@ -230,6 +231,10 @@ def test_constrained_modules_write_into_the_subspace_and_the_rest_matches_the_pl
             w = m.weight().detach()
             assert torch.allclose(u @ (u.T @ w), w, atol=1e-6)
     assert not isinstance(last.layers["3"].attn.proj, SubspaceLinear)  # after the last boundary: free
+    # Init: A at the ordinary residual std (see swarm/model.py _init_), the embedding's A at INIT_STD.
+    coefs = torch.cat([model.stages[0].layers[str(i)].ffn.down.coef.detach().flatten() for i in range(2)])
+    assert coefs.std().item() == pytest.approx(INIT_STD / math.sqrt(2 * 4), rel=0.1)
+    assert first.embed.coef.std().item() == pytest.approx(INIT_STD, rel=0.1)
     # U and E_fix are buffers, not state: peers never send them.
     assert not any(k.endswith(("basis", "fixed")) for k in model.state_dict())
     # Free parameters draw the same values as in the unconstrained model (same generator stream).
