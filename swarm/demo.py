@@ -405,10 +405,11 @@ class Demo:
             f"chaos: killed peer {victim.peer_id} (stage {victim.stage}, pid {victim.pid}) with SIGKILL at step "
             f"{event['step']} while {inflight} micro-batches were in the swarm; starting a fresh peer"
         )
+        self.chaos_log.append(event)
         fresh = self._spawn_peer(victim.stage, victim.index, suffix="-fresh")
+        event["fresh_pid"] = fresh.pid
         await self._await_online_async([fresh])
         event["fresh_peer"] = fresh.peer_id
-        self.chaos_log.append(event)
         self.trainer.say(f"chaos: fresh peer {fresh.peer_id} serves stage {fresh.stage}")
 
     # ---- results --------------------------------------------------------------------------------

@@ -94,11 +94,11 @@ def test_demo_interrupted_by_sigint_cleans_up(tmp_path):
     lines = []
     try:
         deadline = time.monotonic() + 180
-        for line in proc.stdout:  # wait until training is under way
+        for line in proc.stdout:  # wait until training is under way (the first progress line)
             lines.append(line)
-            if "training" in line or time.monotonic() > deadline:
+            if "tok/s" in line or time.monotonic() > deadline:
                 break
-        time.sleep(2.0)
+        time.sleep(1.0)
         peer_pids = {int(p.split("(pid ")[1].split(",")[0]) for p in lines if "(pid " in p}
         assert len(peer_pids) == 2, "".join(lines)
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
