@@ -166,8 +166,11 @@ class StageOptimizer:
         """Add ``deltas`` (in :meth:`state_tensors` order) to parameters and slots; return new served weights.
 
         Used to apply an averaging round as ``current + (averaged - sent)``, which keeps the local
-        steps taken while the round ran. Parameters get new tensors (kept versions stay intact);
-        ``exp_avg_sq`` is clamped at 0 because a shifted second moment could dip below it.
+        steps taken while the round ran. Parameters get new tensors (kept versions stay intact).
+        ``exp_avg_sq`` only ever grows here (negative deltas are dropped): it decays between the
+        snapshot and the apply, so ``current + (averaged - sent)`` can land near or below 0, and a
+        second moment near 0 turns the next update into ``m / eps`` -- a replica blew up that way in
+        the demo. A larger denominator only shortens steps, so keeping the larger value is safe.
         Accumulated gradients are kept.
         """
         if len(deltas) != len(self.state_tensors()):
@@ -178,9 +181,8 @@ class StageOptimizer:
         for j, slot in enumerate(sorted(self.state)):
             for i, n in enumerate(self.names):
                 t = self.state[slot][n]
-                t.add_(deltas[(j + 1) * k + i].to(device))
-                if slot == "exp_avg_sq":
-                    t.clamp_(min=0.0)
+                delta = deltas[(j + 1) * k + i].to(device)
+                t.add_(delta.clamp(min=0.0) if slot == "exp_avg_sq" else delta)
         self._served = self._compute_served()
         return self._served
 

@@ -136,6 +136,33 @@ def test_state_round_trip_and_shape_check():
     torch.testing.assert_close(b.params["a"], a.params["a"])  # refused: nothing changed
 
 
+def test_averaging_shift_never_shrinks_the_second_moment():
+    """A shifted exp_avg_sq near 0 would turn the next AdamW update into m / eps and blow the replica up."""
+    cfg = OptimizerConfig(name="adamw", lr=1e-2, clip_norm=None)
+    opt = StageOptimizer(_params(), cfg)
+    opt.accumulate(_grads(0))
+    opt.step()
+    names = opt.state_names()
+    before = {n: t.clone() for n, t in zip(names, opt.state_tensors(), strict=True)}
+    # an averaging round whose result lies far below the local second moment and moves parameters
+    deltas = [
+        torch.full_like(t, -10.0) if n.startswith("exp_avg_sq/") else torch.full_like(t, 0.5)
+        for n, t in zip(names, opt.state_tensors(), strict=True)
+    ]
+    opt.shift(deltas)
+    after = dict(zip(names, opt.state_tensors(), strict=True))
+    for n in names:
+        if n.startswith("exp_avg_sq/"):
+            torch.testing.assert_close(after[n], before[n])  # kept, not pushed to 0
+        else:
+            torch.testing.assert_close(after[n], before[n] + 0.5)
+    # the next step stays bounded: |update| <= lr * (1 + tiny) for AdamW with bias correction
+    old = {n: p.clone() for n, p in opt.params.items()}
+    opt.accumulate(_grads(1))
+    opt.step()
+    assert max(float((opt.params[n] - old[n]).abs().max()) for n in old) < 0.1
+
+
 @pytest.mark.parametrize("recompute", [True, False])
 def test_backward_after_a_step_uses_the_stashed_weights(recompute):
     # Plain SGD (nesterov with momentum 0) so the expected update is lr * gradient, computed by hand.
