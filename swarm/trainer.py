@@ -66,6 +66,7 @@ from typing import IO, TYPE_CHECKING, Any
 from swarm.accounting import Attempt, Ledger, MicroBatch
 from swarm.data import DataConfig, TokenData, build_data
 from swarm.errors import ConfigError, PeerFailure, RequestError, StageUnavailableError
+from swarm.logging_sinks import make_sinks
 from swarm.metrics import (
     MetricsWriter,
     ProgressDisplay,
@@ -142,6 +143,9 @@ class TrainerConfig:
     """Name under which progress is published; None = ``trainer-<random>``."""
     quiet: bool = False
     """No progress line and no printed summary (files are still written)."""
+    log: tuple[str, ...] = ()
+    """Extra metric sinks besides metrics.jsonl: "tensorboard" and/or "wandb" (optional packages;
+    W&B runs offline when no API key is configured). Empty = JSONL only."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -149,6 +153,7 @@ class TrainerConfig:
             set_(self, "initial_peers", (self.initial_peers,))
         set_(self, "initial_peers", tuple(self.initial_peers))
         set_(self, "host_maddrs", tuple(self.host_maddrs))
+        set_(self, "log", (self.log,) if isinstance(self.log, str) else tuple(self.log))
         if not self.initial_peers:
             raise ConfigError(
                 "the trainer needs --initial-peers: the address `swarm init` printed "
@@ -472,6 +477,7 @@ class Trainer:
         # wire-byte estimate for deadlines: fp32 activation + gradient per token on each link
         self.wire_bytes = 2 * (spec.num_stages - 1) * self.tokens_per_mb * spec.model.d_model * 4
         self.writer = MetricsWriter(Path(cfg.out_dir) / "metrics.jsonl") if cfg.out_dir else None
+        self.sinks = make_sinks(cfg.log, cfg.out_dir, spec.run_id, spec.to_dict()) if cfg.log else None
         self.progress = None if cfg.quiet else ProgressDisplay(self._out, interval_s=cfg.progress_interval_s)
 
     async def run_on(self, link: SwarmLink, data: TokenData) -> dict[str, Any]:
@@ -509,6 +515,8 @@ class Trainer:
             self.summary = self._finish()
             if self.writer is not None:
                 self.writer.close()
+            if self.sinks is not None:
+                self.sinks.close()
         return self.summary
 
     def _raise_errors(self) -> None:
@@ -812,6 +820,8 @@ class Trainer:
         )
         if self.writer is not None:
             self.writer.write(rec)
+        if self.sinks is not None:
+            self.sinks.write(rec)
         self.cur = _Step()
         if (
             self.config.eval_every
@@ -849,6 +859,8 @@ class Trainer:
         }
         if self.writer is not None:
             self.writer.write(rec)
+        if self.sinks is not None:
+            self.sinks.write(rec)
         if losses:
             self.say(f"step {self.eval_step}: held-out loss {rec['eval_loss']:.3f}")
         self.eval_round = None

@@ -350,3 +350,17 @@ def test_service_seconds_reads_per_stage_stats():
 )
 def test_failure_texts_are_classified(text, kind):
     assert classify_failure(text) == kind
+
+
+def test_tensorboard_sink_receives_the_step_records(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0"], 1: ["a1"]})
+    run(Trainer(config(tmp_path, steps=6, max_inflight=2, log=("tensorboard",))), sim, spec)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "loss" in tags
+    assert [e.step for e in acc.Scalars("loss")] == list(range(1, 7))

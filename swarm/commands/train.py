@@ -66,6 +66,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="where to listen for peers' reports (default: loopback only)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress line and no printed summary")
+    p.add_argument(
+        "--log",
+        nargs="+",
+        default=[],
+        choices=["tensorboard", "wandb"],
+        help="also log metrics to TensorBoard (OUT/tensorboard) and/or Weights & Biases (offline without an API key)",
+    )
     p.set_defaults(func=run)
 
 
@@ -91,6 +98,7 @@ def config_from_args(args: argparse.Namespace):
         trainer_id=args.trainer_id,
         host_maddrs=tuple(args.host_maddrs),
         quiet=args.quiet,
+        log=tuple(args.log),
     )
 
 
