@@ -113,6 +113,12 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
         state_fn: StateFn | None = None
         authorized = _AuthorizedSet()  # made before any averager process forks: shared with all
 
+        def get_current_state(self):  # runs in the host process, in hivemind's fetcher thread
+            if self.state_fn is None:
+                raise RuntimeError("state requested before the peer holds any")
+            meta, tensors = self.state_fn()
+            return meta, [_flatten(tensors)], None
+
         @classmethod
         def get_stub(cls, p2p, peer, *, namespace=None):  # noqa: ANN001 -- hivemind's signature
             # every outgoing averaging call (state download, join a group, all-reduce parts) dials here
@@ -145,13 +151,6 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
     # naming imports local to this function, so give the overrides their parents' resolved hints.
     for name in ("rpc_download_state", "rpc_join_group", "rpc_aggregate_part"):
         getattr(_StateAverager, name).__annotations__ = get_type_hints(getattr(DecentralizedAverager, name))
-
-        def get_current_state(self):  # runs in the host process, in hivemind's fetcher thread
-            if self.state_fn is None:
-                raise RuntimeError("state requested before the peer holds any")
-            meta, tensors = self.state_fn()
-            return meta, [_flatten(tensors)], None
-
     return _StateAverager
 
 

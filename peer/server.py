@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import math
 import random
+import re
 import threading
 import time
 from collections.abc import Coroutine
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 _EXPIRY_PERIOD_S = 1.0
 _AUTHORIZED_PERIOD_S = 1.0
+_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as in swarm/records.py
 
 
 class StagePeer:
@@ -681,6 +683,9 @@ class StagePeer:
                 raise RequestError(
                     f"this peer is {self.state} and takes no new forwards; route to another peer"
                 )
+            bad = [p for p in (*h.route, h.trainer) if not _PEER_ID_RE.fullmatch(p)]
+            if bad:
+                raise RequestError(f"route/trainer entry {bad[0][:60]!r} is not a base58 libp2p peer id")
             if h.route[h.stage] != self.peer_id:
                 raise RequestError(f"route names {h.route[h.stage]} for stage {h.stage}, not this peer")
             if len(h.route) != self.spec.num_stages:
