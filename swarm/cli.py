@@ -48,11 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point. ``argv=None`` means a real process (the console script): then SIGTERM shuts down
+    like Ctrl-C and, at the end, leftover children are reaped (see ``swarm/processes.py``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    own_process = argv is None
+    if own_process:
+        from swarm.processes import terminate_as_interrupt
+
+        terminate_as_interrupt()
     try:
         return int(args.func(args) or 0)
     except SwarmError as e:
@@ -61,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if own_process:
+            from swarm.processes import reap_children
+
+            killed = reap_children()
+            if killed:
+                print(f"stopped {len(killed)} leftover child processes: {', '.join(killed)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""Process hygiene for command-line entry points: nothing of ours outlives a ``swarm`` command.
+
+Why this exists: hivemind runs each DHT and averager in a forked child (plus a ``p2pd`` daemon).
+Those children inherit the parent's Python signal handlers (asyncio's handlers write to the
+parent's wake-up socket), so a SIGTERM sent to the whole process group -- ``kill -TERM -PGID``,
+a service manager, a container stop -- does not stop them; when their graceful shutdown then
+stalls because ``p2pd`` is already gone, multiprocessing's exit hook joins them forever and the
+command never exits. After a command has shut down cleanly, :func:`reap_children` gives whatever
+is left a grace period and then kills it.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+import psutil
+
+__all__ = ["reap_children", "terminate_as_interrupt"]
+
+# torch's shared-memory manager exits on its own when its parent does.
+_SELF_EXITING = ("torch_shm_manager",)
+
+
+def reap_children(grace_s: float = 5.0) -> list[str]:
+    """Wait up to ``grace_s`` for this process's descendants to exit, then SIGKILL the rest.
+
+    Returns a description of each process that had to be killed. Only call it from a process's own
+    entry point (never inside a library or a test process that owns other live children).
+    """
+    try:
+        procs = [p for p in psutil.Process().children(recursive=True) if p.name() not in _SELF_EXITING]
+    except psutil.Error:
+        return []
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    killed = []
+    for p in alive:
+        try:
+            killed.append(f"{p.pid} {p.name()}")
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=2.0)
+    return killed
+
+
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM behave like Ctrl-C (``KeyboardInterrupt``), so ``finally`` blocks shut down cleanly.
+
+    Commands that install their own asyncio signal handlers override this while they run.
+    """
+
+    def _handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    if sys.platform != "win32":
+        signal.signal(signal.SIGTERM, _handler)

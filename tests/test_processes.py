@@ -1,0 +1,50 @@
+"""Process hygiene of command entry points (swarm/processes.py)."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing as mp, os, signal, sys, time
+    from swarm.processes import reap_children
+
+    def stubborn():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like a forked hivemind child
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        mp.set_start_method("fork")
+        p = mp.Process(target=stubborn)  # non-daemon: multiprocessing's exit hook would join it forever
+        p.start()
+        print(p.pid, flush=True)
+        killed = reap_children(grace_s=0.5)
+        print("killed", len(killed), flush=True)
+    """
+)
+
+
+def test_reap_children_kills_a_stubborn_child_so_the_process_can_exit():
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    child_pid = int(out.split()[0])
+    assert "killed 1" in out
+    assert proc.returncode == 0
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_sigterm_interrupts_a_command_like_ctrl_c():
+    code = "from swarm.processes import terminate_as_interrupt\nimport os, signal, time\nterminate_as_interrupt()\n"
+    code += "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\nexcept KeyboardInterrupt:\n    print('cleaned up')\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "cleaned up"
