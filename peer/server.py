@@ -384,6 +384,10 @@ class StagePeer:
             with contextlib.suppress(Exception):
                 for name in (FORWARD, BACKWARD, INFO):
                     await self._p2p.remove_protobuf_handler(name)
+            # a replicated P2P's shutdown closes its handler socket and removes the socket file
+            # (the DHT's daemon stays up until the DHT stops); without it /tmp collects sockets
+            with contextlib.suppress(Exception):
+                await self._p2p.shutdown()
             self._p2p = None
         if self._dht is not None:
             await asyncio.to_thread(self._dht.shutdown)

@@ -118,6 +118,8 @@ class Node:
         return tuple(visible_maddrs(self.dht))
 
     async def shutdown(self) -> None:
+        if self.p2p is not None:
+            await self.p2p.shutdown()  # removes its handler socket file
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
 
