@@ -4,4 +4,7 @@
 - ``codecs.py``: every codec of ``compression`` vs hivemind's codecs on activation-shaped tensors.
 - ``netlab.py``: network namespaces with rate-limited links, so benchmarks can run over slow links.
 - ``pipelining_baseline.py``: ``torch.distributed.pipelining`` over gloo, the baseline to beat.
+- ``single_process.py``: the same model trained in one process (the compute-bound limit).
+- ``links.py``: the swarm vs. the baselines over shaped links (throughput, bytes, memory, convergence).
+- ``subspace_convergence.py``: subspace-constrained models (k = d/32, d/100) vs. the ordinary model.
 """

@@ -39,6 +39,7 @@ _LAZY = {
     "Trainer": "swarm.trainer",
     "TrainerConfig": "swarm.trainer",
     "load_model": "swarm.export",
+    "make_boundary": "swarm.subspace",
 }
 
 __all__ = [
