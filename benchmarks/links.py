@@ -872,12 +872,15 @@ def markdown_section(report: dict[str, Any]) -> str:
         "",
         "### Throughput",
         "",
-        "| run | rate | tokens/s | wire bytes/token | payload bytes/token | peak RSS MiB (stage procs) |",
-        "|---|---|---|---|---|---|",
+        "| run | rate | tokens/s | wire bytes/token | payload bytes/token | peak RSS MiB (stage procs) "
+        "| load avg start/end |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.get("error"):
-            lines.append(f"| {r['name']} | {r.get('rate', '-')} | failed: {r['error'][:80]} | | | |")
+            lines.append(
+                f"| {r['name']} | {r.get('rate', '-')} | failed: {' '.join(r['error'].split())[:100].replace('|', '/')} | | | | |"
+            )
             continue
         if r["kind"] == "swarm":
             mem = [round(v["main"]) for k, v in sorted(r["peak_rss_mb"].items()) if k.startswith("peer")]
@@ -887,7 +890,8 @@ def markdown_section(report: dict[str, Any]) -> str:
             mem = [round(r["peak_rss_mb"])] if r.get("peak_rss_mb") else []
         lines.append(
             f"| {r['name']} | {r.get('rate', 'none')} | {_f(r.get('tokens_per_s'))} | "
-            f"{_f(r.get('wire_bytes_per_token'))} | {_f(r.get('payload_bytes_per_token'))} | {mem} |"
+            f"{_f(r.get('wire_bytes_per_token'))} | {_f(r.get('payload_bytes_per_token'))} | {mem} | "
+            f"{'/'.join(str(x) for x in r.get('load_1min', [])) or '-'} |"
         )
     t = a["targets"]
     lines += [
@@ -1044,6 +1048,7 @@ def run_all(
                 say(f"[{i + 1}/{len(jobs)}] {job.name} ({time.perf_counter() - t0:.0f} s elapsed)")
                 lab.set_rate(job.rate)
                 t = time.perf_counter()
+                load_start = os.getloadavg()[0]
                 try:
                     res = _run_job(lab, cfg, job, work / f"job{i}", nodes, base_path, threads)
                 except (SwarmError, LabError, OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
@@ -1057,6 +1062,7 @@ def run_all(
                     }
                     say(f"    FAILED: {res['error'][:800]}")
                 res["name"] = job.name
+                res["load_1min"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]
                 res["purposes"] = list(job.purposes)
                 res["job_s"] = time.perf_counter() - t
                 if not res.get("error"):
