@@ -324,3 +324,55 @@ def test_links_benchmark_smoke(tiny_spec, tmp_path):
         and "| single process, 1 thread(s) |" in text
     )
     assert not [n for n in our_namespaces() if n.startswith(report.get("lab", "none"))]
+
+
+def test_analyse_ratios_from_one_run():
+    from benchmarks.links import LinksConfig, analyse
+
+    cfg = LinksConfig(rates=("none", "100mbit", "20mbit"), codecs=("none", "blockwise8"), convergence_mb=4)
+    losses = [{"tokens": 100 * i, "wall_s": float(i), "loss": 5.0 - 0.5 * i} for i in range(1, 5)]
+
+    def swarm(rate, codec, mode, tps, peak, eval_loss, mb=4):
+        return {
+            "kind": "swarm",
+            "rate": rate,
+            "codec": codec,
+            "mode": mode,
+            "tokens_per_s": tps,
+            "micro_batches": mb,
+            "losses": losses,
+            "eval_loss": eval_loss,
+            "peak_rss_mb": {"peer0": {"main": peak, "tree": 2 * peak}, "trainer": {"main": 1.0, "tree": 1.0}},
+        }
+
+    results = [
+        swarm("none", "blockwise8", "async", 90.0, 150.0, 3.03),
+        swarm("none", "blockwise8", "sync", 50.0, 100.0, 3.0),
+        swarm("none", "none", "sync", 40.0, 100.0, 3.0),
+        swarm("100mbit", "blockwise8", "async", 81.0, 150.0, None, mb=8),
+        swarm("20mbit", "blockwise8", "async", 60.0, 150.0, None, mb=8),
+        {
+            "kind": "pipelining",
+            "schedule": "1f1b",
+            "rate": "none",
+            "tokens_per_s": 100.0,
+            "peak_rss_mb": [75.0, 80.0],
+        },
+        {
+            "kind": "pipelining",
+            "schedule": "1f1b",
+            "rate": "20mbit",
+            "tokens_per_s": 20.0,
+            "peak_rss_mb": [75.0],
+        },
+        {"kind": "swarm", "rate": "20mbit", "codec": "fp16", "mode": "async", "error": "boom"},
+    ]
+    a = analyse(cfg, results)["targets"]
+    assert a["target_3x_1f1b_at_20mbit"] == pytest.approx(3.0)
+    assert a["target_0.9_own_at_100mbit"] == pytest.approx(0.9)
+    assert a["target_0.9_pipelining_unshaped"] == pytest.approx(0.9)
+    assert a["memory_async_vs_sync_peer"] == pytest.approx(1.5)
+    assert a["memory_async_peer_vs_pipelining_rank"] == pytest.approx(150.0 / 80.0)
+    assert a["convergence_blockwise8_sync_within_1pct"] == pytest.approx(1.0)
+    assert a["convergence_blockwise8_async_vs_sync_blockwise8"] == pytest.approx(1.01)
+    assert a["convergence_async_vs_sync_none"] is None  # that run is missing: no ratio, not a guess
