@@ -119,6 +119,16 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
             meta, tensors = self.state_fn()
             return meta, [_flatten(tensors)], None
 
+        async def _shutdown(self, timeout):  # noqa: ANN001 -- runs in the averager process
+            try:
+                await super()._shutdown(timeout)
+            finally:
+                # the averager's replica of the DHT's P2P holds a handler socket file in /tmp that
+                # hivemind never removes; shutting the replica down removes it (the daemon stays)
+                p2p = getattr(self, "_p2p", None)
+                if p2p is not None:
+                    await p2p.shutdown()
+
         @classmethod
         def get_stub(cls, p2p, peer, *, namespace=None):  # noqa: ANN001 -- hivemind's signature
             # every outgoing averaging call (state download, join a group, all-reduce parts) dials here

@@ -275,6 +275,27 @@ def _prepare_identity(identity_path: str | None) -> tuple[str, str | None]:
     return identity_path, None
 
 
+SOCKET_PREFIX_ENV = "SWARMPIPE_SOCKET_PREFIX"
+
+
+def _apply_socket_prefix() -> None:
+    """Name hivemind's unix sockets ``$SWARMPIPE_SOCKET_PREFIX<p2pd|p2pclient>-<id>.sock`` if set.
+
+    hivemind puts them at ``/tmp/hivemind-*.sock`` and a SIGKILLed process cannot remove its own;
+    the test suite sets a per-session prefix so that it can find (and fail on) the files its own
+    processes leave behind. Must stay under /tmp-like short paths (unix socket paths have ~100 chars).
+    """
+    prefix = os.environ.get(SOCKET_PREFIX_ENV)
+    if prefix:
+        from hivemind.p2p import P2P
+
+        if not prefix.startswith("/") or len(prefix) > 60:
+            raise ConfigError(
+                f"{SOCKET_PREFIX_ENV}={prefix!r} must be an absolute path prefix of at most 60 chars"
+            )
+        P2P._UNIX_SOCKET_PREFIX = "/unix" + prefix  # read when a P2P (daemon or replica) starts
+
+
 def start_dht(cfg: DHTConfig) -> hivemind.DHT:
     """Start (or create, if ``cfg.start`` is False) this process's DHT node with the swarm's validators.
 
@@ -287,6 +308,7 @@ def start_dht(cfg: DHTConfig) -> hivemind.DHT:
     from hivemind.dht.schema import SchemaValidator
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
+    _apply_socket_prefix()
     identity_file, tmpdir = _prepare_identity(cfg.identity_path)
     try:
         key = _load_rsa_identity(identity_file)
