@@ -146,6 +146,9 @@ class TrainerConfig:
     log: tuple[str, ...] = ()
     """Extra metric sinks besides metrics.jsonl: "tensorboard" and/or "wandb" (optional packages;
     W&B runs offline when no API key is configured). Empty = JSONL only."""
+    secret: bytes | None = field(default=None, repr=False)
+    """Join secret of a private run (``swarm.auth.load_secret``: --secret-file or SWARMPIPE_SECRET);
+    None for public runs. See SECURITY.md."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -282,6 +285,7 @@ class SwarmLink:
         self.spec = spec
         self.p2p = p2p
         self.peer_id: str = p2p.peer_id.to_base58()
+        self.auth: Any = None  # swarm.auth.RunAuth: signs our requests, checks reports (private runs)
         self.on_report: Callable[[Report, bytes], None] = lambda report, payload: None
         self.handler_error: Exception | None = None  # first exception raised by on_report (a bug)
 
@@ -293,8 +297,10 @@ class SwarmLink:
         run_id: str,
         host_maddrs: tuple[str, ...] = (),
         spec_timeout_s: float = 60.0,
+        secret: bytes | None = None,
     ) -> SwarmLink:
         from peer.protocol import REPORT, serve
+        from swarm.auth import RunAuth
         from swarm.membership import Membership
         from swarm.network import DHTConfig, start_dht
 
@@ -303,9 +309,12 @@ class SwarmLink:
         try:
             membership = Membership(dht, run_id)
             spec = await asyncio.to_thread(membership.fetch_spec, spec_timeout_s)
+            auth = RunAuth.from_spec(spec, secret)  # a private run needs the right secret
+            membership.set_auth(auth)  # our progress carries a proof; outsiders' records are ignored
             p2p = await dht.replicate_p2p()
             link = cls(dht, membership, spec, p2p)
-            await serve(p2p, REPORT, link._handle_report)
+            link.auth = auth
+            await serve(p2p, REPORT, link._handle_report, gate=auth.gate(link.peer_id))
             return link
         except BaseException:
             dht.shutdown()
@@ -361,7 +370,9 @@ class SwarmLink:
             tokens=pack_tokens(tokens),
             targets=b"" if targets is None else pack_tokens(targets),
         )
-        return await call(self.p2p, route[0], FORWARD, Message(header.to_wire(), b""), timeout_s=timeout_s)
+        return await call(
+            self.p2p, route[0], FORWARD, Message(header.to_wire(), b""), timeout_s=timeout_s, auth=self.auth
+        )
 
     async def close(self) -> None:
         from peer.protocol import REPORT
@@ -418,6 +429,7 @@ class Trainer:
             run_id=cfg.run_id,
             host_maddrs=cfg.host_maddrs,
             spec_timeout_s=cfg.spec_timeout_s,
+            secret=cfg.secret,
         )
         try:
             spec = link.spec

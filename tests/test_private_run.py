@@ -165,3 +165,52 @@ def test_outsiders_are_refused_and_insiders_train():
                     await node.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_trainer_trains_a_private_run_with_its_secret(tmp_path):
+    from swarm.trainer import Trainer, TrainerConfig
+
+    secret = generate_secret()
+    model = {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}  # byte tokens
+    spec = private_spec("priv-trainer", secret, stages=2, model=model)
+
+    async def main():
+        owner = Node(spec, secret, publish=True)
+        peers: list[StagePeer] = []
+        try:
+            await owner.start()
+            for stage in (0, 1):
+                p = StagePeer(peer_config(owner, stage, secret))
+                peers.append(p)
+                await p.start()
+
+            def trainer(key: bytes | None) -> Trainer:
+                cfg = TrainerConfig(
+                    initial_peers=owner.maddrs(),
+                    run_id=spec.run_id,
+                    steps=12,
+                    max_inflight=4,
+                    out_dir=str(tmp_path),
+                    quiet=True,
+                    refresh_every_s=0.5,
+                    spec_timeout_s=10,
+                    secret=key,
+                )
+                return Trainer(cfg)
+
+            with pytest.raises(ConfigError, match="is private"):
+                await trainer(None).run()
+            summary = await trainer(secret).run()
+            mb = summary["micro_batches"]
+            assert mb["completed"] == 12 and mb["dropped"] == 0, mb
+            assert all(p.version >= 12 for p in peers)
+            assert all(p.counters["refused_auth"] == 0 for p in peers)
+            # the trainer's progress record carries its proof: the owner (checking proofs) sees it
+            progress = await asyncio.to_thread(owner.membership.progress)
+            assert progress["steps"] >= 12, progress
+        finally:
+            for p in reversed(peers):
+                await p.shutdown()
+            await owner.shutdown()
+
+    asyncio.run(main())

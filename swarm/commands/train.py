@@ -65,6 +65,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="MADDR",
         help="where to listen for peers' reports (default: loopback only)",
     )
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="join secret of a private run (default: the SWARMPIPE_SECRET environment variable)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line and no printed summary")
     p.add_argument(
         "--log",
@@ -78,6 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The ``TrainerConfig`` these flags describe (raises ``ConfigError`` on bad values)."""
+    from swarm.auth import load_secret
     from swarm.data import DataConfig
     from swarm.trainer import TrainerConfig
 
@@ -99,6 +106,7 @@ def config_from_args(args: argparse.Namespace):
         host_maddrs=tuple(args.host_maddrs),
         quiet=args.quiet,
         log=tuple(args.log),
+        secret=load_secret(getattr(args, "secret_file", None)),
     )
 
 
