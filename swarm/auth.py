@@ -126,6 +126,11 @@ def write_secret_file(path: str | os.PathLike[str], secret: bytes) -> None:
 def read_secret_file(path: str | os.PathLike[str]) -> bytes:
     """Read a secret file, refusing one that other users may read (it would leak the run)."""
     p = os.fspath(path)
+    if p.strip().startswith(_SECRET_PREFIX):  # never echo a secret back into logs or terminals
+        raise ConfigError(
+            f"--secret-file takes the path of a file holding the secret, not the secret itself (it would "
+            f"show in `ps` and shell history); write it to a file with mode 0600 or set {SECRET_ENV}"
+        )
     try:
         mode = os.stat(p).st_mode
         with open(p) as f:
