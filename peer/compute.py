@@ -447,5 +447,5 @@ class StageCompute:
         """Apply an averaging round as ``current + (averaged - sent)``; makes a new version."""
         deltas = [a - s for a, s in zip(averaged, sent, strict=True)]
         with self.lock:
-            served = self.optimizer.shift(deltas)
+            served = self.optimizer.shift(deltas, averaged)
             self._push_version(served)

@@ -162,16 +162,18 @@ class StageOptimizer:
         return self._served
 
     @torch.no_grad()
-    def shift(self, deltas: list[torch.Tensor]) -> Params:
+    def shift(self, deltas: list[torch.Tensor], averaged: list[torch.Tensor] | None = None) -> Params:
         """Add ``deltas`` (in :meth:`state_tensors` order) to parameters and slots; return new served weights.
 
         Used to apply an averaging round as ``current + (averaged - sent)``, which keeps the local
         steps taken while the round ran. Parameters get new tensors (kept versions stay intact).
-        ``exp_avg_sq`` only ever grows here (negative deltas are dropped): it decays between the
-        snapshot and the apply, so ``current + (averaged - sent)`` can land near or below 0, and a
-        second moment near 0 turns the next update into ``m / eps`` -- a replica blew up that way in
-        the demo. A larger denominator only shortens steps, so keeping the larger value is safe.
         Accumulated gradients are kept.
+
+        ``exp_avg_sq`` is floored at ``min(current, averaged)`` (at 0 without ``averaged``): it decays
+        between the snapshot and the apply, so ``current + (averaged - sent)`` can land near or below
+        0, and a second moment near 0 turns the next update into ``m / eps`` -- a demo replica blew up
+        that way. Both floor terms are genuine second moments, and when no step happened during the
+        round (``current == sent``) the result is exactly ``averaged``, so replicas still agree.
         """
         if len(deltas) != len(self.state_tensors()):
             raise ValueError(f"got {len(deltas)} deltas, expected {len(self.state_tensors())}")
@@ -180,9 +182,16 @@ class StageOptimizer:
         self.params = {n: self.params[n] + deltas[i].to(device) for i, n in enumerate(self.names)}
         for j, slot in enumerate(sorted(self.state)):
             for i, n in enumerate(self.names):
+                idx = (j + 1) * k + i
                 t = self.state[slot][n]
-                delta = deltas[(j + 1) * k + i].to(device)
-                t.add_(delta.clamp(min=0.0) if slot == "exp_avg_sq" else delta)
+                if slot != "exp_avg_sq":
+                    t.add_(deltas[idx].to(device))
+                    continue
+                floor = (
+                    torch.zeros_like(t) if averaged is None else torch.minimum(t, averaged[idx].to(device))
+                )
+                t.add_(deltas[idx].to(device))
+                torch.maximum(t, floor.clamp_(min=0.0), out=t)
         self._served = self._compute_served()
         return self._served
 

@@ -136,31 +136,45 @@ def test_state_round_trip_and_shape_check():
     torch.testing.assert_close(b.params["a"], a.params["a"])  # refused: nothing changed
 
 
-def test_averaging_shift_never_shrinks_the_second_moment():
+def test_averaging_shift_keeps_the_second_moment_away_from_zero():
     """A shifted exp_avg_sq near 0 would turn the next AdamW update into m / eps and blow the replica up."""
     cfg = OptimizerConfig(name="adamw", lr=1e-2, clip_norm=None)
     opt = StageOptimizer(_params(), cfg)
     opt.accumulate(_grads(0))
     opt.step()
     names = opt.state_names()
-    before = {n: t.clone() for n, t in zip(names, opt.state_tensors(), strict=True)}
-    # an averaging round whose result lies far below the local second moment and moves parameters
-    deltas = [
-        torch.full_like(t, -10.0) if n.startswith("exp_avg_sq/") else torch.full_like(t, 0.5)
-        for n, t in zip(names, opt.state_tensors(), strict=True)
-    ]
-    opt.shift(deltas)
-    after = dict(zip(names, opt.state_tensors(), strict=True))
-    for n in names:
+    sent = [t.clone() for t in opt.state_tensors()]
+    # while the round ran, the local second moment decayed to half; the group's average is a tenth
+    for n, t in zip(names, opt.state_tensors(), strict=True):
         if n.startswith("exp_avg_sq/"):
-            torch.testing.assert_close(after[n], before[n])  # kept, not pushed to 0
+            t.mul_(0.5)
+    current = [t.clone() for t in opt.state_tensors()]
+    averaged = [s * 0.1 if n.startswith("exp_avg_sq/") else s + 0.5 for n, s in zip(names, sent, strict=True)]
+    opt.shift([a - s for a, s in zip(averaged, sent, strict=True)], averaged)
+    for n, c, a, t in zip(names, current, averaged, opt.state_tensors(), strict=True):
+        if n.startswith("exp_avg_sq/"):
+            # current + delta = -0.4 * sent would be clamped to 0 by a plain clamp; the floor keeps it
+            torch.testing.assert_close(t, torch.minimum(c, a))
+            assert bool((t > 0).all())
         else:
-            torch.testing.assert_close(after[n], before[n] + 0.5)
-    # the next step stays bounded: |update| <= lr * (1 + tiny) for AdamW with bias correction
+            torch.testing.assert_close(t, c + 0.5)
     old = {n: p.clone() for n, p in opt.params.items()}
     opt.accumulate(_grads(1))
     opt.step()
-    assert max(float((opt.params[n] - old[n]).abs().max()) for n in old) < 0.1
+    # bounded (a second moment clamped to 0 would give steps of lr * m / eps, around 1e5 here)
+    assert max(float((opt.params[n] - old[n]).abs().max()) for n in old) < 1.0
+
+
+def test_averaging_shift_without_local_steps_gives_exactly_the_average():
+    cfg = OptimizerConfig(name="adamw", lr=1e-2)
+    opt = StageOptimizer(_params(), cfg)
+    opt.accumulate(_grads(0))
+    opt.step()
+    sent = [t.clone() for t in opt.state_tensors()]
+    averaged = [s * 0.3 + 0.01 for s in sent]
+    opt.shift([a - s for a, s in zip(averaged, sent, strict=True)], averaged)
+    for a, t in zip(averaged, opt.state_tensors(), strict=True):
+        torch.testing.assert_close(t, a)
 
 
 @pytest.mark.parametrize("recompute", [True, False])
