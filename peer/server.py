@@ -378,6 +378,10 @@ class StagePeer:
             except OSError as e:
                 logger.error("could not save the final checkpoint to %s: %s", self.config.checkpoint_dir, e)
         if self._averager is not None:
+            if self.auth is not None and self.auth.gated:
+                # the authorized set is per process (peer/averaging.py): do not leave it active for
+                # a public-run peer started later in this process (tests run several peers in one)
+                self._averager.set_authorized(None)
             await asyncio.to_thread(self._averager.shutdown)
             self._averager = None
         if self._p2p is not None:

@@ -23,6 +23,7 @@ package and explains the expected shape with an example.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import shutil
@@ -30,7 +31,7 @@ import tempfile
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarm.errors import ConfigError, PeerFailure
 from swarm.records import KEY_PREFIX, RegistryKeysSchema, peer_id_of_subkey
@@ -353,10 +354,41 @@ def start_dht(cfg: DHTConfig) -> hivemind.DHT:
     if tmpdir is not None and not cfg.start:
         weakref.finalize(dht, shutil.rmtree, tmpdir, ignore_errors=True)
     _SIGNERS[dht] = signer
+    _remove_replica_sockets_on_shutdown(dht)
     if cfg.start and dht.peer_id.to_base58() != signer.peer_id:
         dht.shutdown()
         raise AssertionError("p2pd did not take the RSA identity it was given")  # an invariant of this module
     return dht
+
+
+def _remove_replica_sockets_on_shutdown(dht: hivemind.DHT) -> None:
+    """Make ``dht.shutdown()`` also remove the socket files of this process's P2P replicas.
+
+    A replica (``dht.replicate_p2p()``) that serves handlers listens on its own unix socket file in
+    /tmp, which only its ``shutdown()`` removes; callers that just stop the DHT (the daemon, after
+    which the replica is useless anyway) would leave one file per replica behind. Only this
+    process's object is patched: the DHT's own process was forked before (or forks without calling
+    these).
+    """
+    replicas: list[Any] = []
+    replicate, shutdown = dht.replicate_p2p, dht.shutdown
+
+    async def replicate_p2p() -> Any:
+        p2p = await replicate()
+        replicas.append(p2p)
+        return p2p
+
+    def shutdown_and_clean() -> None:
+        try:
+            shutdown()
+        finally:
+            for p2p in replicas:
+                with contextlib.suppress(FileNotFoundError, TypeError, KeyError, AttributeError):
+                    os.remove(p2p._client_listen_maddr["unix"])
+            replicas.clear()
+
+    dht.replicate_p2p = replicate_p2p  # type: ignore[method-assign]
+    dht.shutdown = shutdown_and_clean  # type: ignore[method-assign]
 
 
 def local_signer(dht: hivemind.DHT) -> LocalSigner:

@@ -9,15 +9,17 @@ The same fixture checks hivemind's unix socket files: every DHT/P2P started thro
 ``swarm.network.start_dht`` in this session (in-process, forked or as a subprocess, which inherit the
 environment) names its sockets with the per-session prefix ``SWARMPIPE_SOCKET_PREFIX`` set below, so
 a file with that prefix that outlives its module was left behind (e.g. by a P2P never shut down, or
-by a SIGKILLed process whose test did not clean up after it). Such files fail the module and are
-removed.
+by a SIGKILLed process whose test did not clean up after it). Files still listened on (a P2P left
+open) fail the module; stale ones (their process was SIGKILLed) are removed with a warning.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import socket
 import time
+import warnings
 
 import psutil
 import pytest
@@ -82,17 +84,40 @@ def no_leftover_processes():
     pytest.fail("processes left behind by this test module:\n  " + "\n  ".join(described))
 
 
+def _listened_on(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+            return True
+        except OSError:  # ConnectionRefusedError: nobody listens (its process is gone)
+            return False
+
+
 def _check_socket_files(before: set[str]) -> None:
-    """Fail (and clean up) if the module left hivemind socket files with this session's prefix."""
+    """Fail if the module left hivemind socket files with this session's prefix that a process of
+    ours still listens on (a P2P never shut down); remove stale ones and warn about them.
+
+    Stale files (nobody listens) are what a SIGKILLed process leaves: it cannot remove its own. A
+    test that SIGKILLs should remove them (see tests/test_chaos.py); the fixture cleans up the rest
+    and names them in a warning rather than failing, since their owner is gone for good.
+    """
     deadline = time.monotonic() + 5.0
     left = _socket_files() - before
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
         left = _socket_files() - before
+    live = sorted(p for p in left if _listened_on(p))
     for path in left:
         try:
             os.remove(path)
         except OSError:
             pass
-    if left:
-        pytest.fail("hivemind socket files left behind by this test module:\n  " + "\n  ".join(sorted(left)))
+    stale = sorted(set(left) - set(live))
+    if stale:
+        warnings.warn(
+            f"removed {len(stale)} stale hivemind socket files (their processes were killed):\n  "
+            + "\n  ".join(stale),
+            stacklevel=1,
+        )
+    if live:
+        pytest.fail("hivemind socket files left open by this test module:\n  " + "\n  ".join(live))
