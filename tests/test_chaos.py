@@ -127,15 +127,20 @@ def test_random_sigkills_and_replacements_do_not_derail_training(tmp_path):
         demo.start()
         trainer = make_trainer(demo, tmp_path / "chaos-train")
 
+        # Kills are scheduled by training progress, not wall time, so the test does the same thing on a
+        # loaded and on an idle machine: one kill at each of these steps, on a random stage that still
+        # has two live peers (so it stays served), waiting while no stage has (a replacement is starting).
+        kill_at = [int(STEPS * f) for f in (0.15, 0.35, 0.55, 0.75)]
+
         async def chaos(run: asyncio.Task) -> None:
-            while not run.done():
-                await asyncio.sleep(rng.uniform(1.5, 3.0))
-                if run.done() or getattr(trainer, "step", 0) >= STEPS - 60:
-                    return
-                # only kill where a stage-mate is online, so the stage stays served meanwhile
+            while kill_at and not run.done():
+                await asyncio.sleep(0.1)
+                if getattr(trainer, "step", 0) < kill_at[0]:
+                    continue
                 stages = [s for s in range(2) if len([p for p in live(demo, s) if p.peer_id]) >= 2]
                 if not stages:
                     continue
+                kill_at.pop(0)
                 victim = rng.choice([p for p in live(demo, rng.choice(stages)) if p.peer_id])
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.killed = True
@@ -171,8 +176,8 @@ def test_random_sigkills_and_replacements_do_not_derail_training(tmp_path):
         print(
             f"chaos: {len(kills)} kills {kills}, {wall:.0f} s, micro-batches {mb}, stale sockets removed {stale}"
         )
-        # a replacement needs ~10 s to come online on 2 loaded cores, and a stage is only hit while
-        # it has two online peers, so a 40 s run sees 2 to 4 kills
+        # a stage is only hit while it has two live peers and a replacement needs seconds to come
+        # online, so of the four scheduled kills at least the first two (one per stage if needed) happen
         assert len(kills) >= 2, kills
         # every micro-batch is accounted for
         assert mb["completed"] == STEPS, mb
