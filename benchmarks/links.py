@@ -2,9 +2,10 @@
 
 Run (from the repository root, as root for the network lab; ``--loopback`` anywhere)::
 
-    python -m benchmarks.links                 # full run (~30 min on 2 cores): results/links.json, plots,
+    python -m benchmarks.links                 # full run (40 min on 2 busy cores): results/links.json, plots,
                                                # and the "Links" section of BENCHMARKS.md
-    python -m benchmarks.links --quick         # small model, fewer runs: a few minutes on 2 cores
+    python -m benchmarks.links --quick         # small model, 8 runs: ~6 min on 2 cores
+    python -m benchmarks.links --render links  # rewrite the Links section from results/links.json
     python -m benchmarks.links --loopback      # no namespaces, no rate limits (not root)
     python -m benchmarks.links --plan          # print what would run, run nothing
 
@@ -1151,7 +1152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--convergence-mb", type=int, default=None)
     parser.add_argument("--name", default=None, help="results name (default links, links_quick, ...)")
     parser.add_argument("--plan", action="store_true", help="print the runs and exit")
-    parser.add_argument("--no-markdown", action="store_true", help="do not touch BENCHMARKS.md")
+    parser.add_argument(
+        "--no-markdown",
+        action="store_true",
+        help="do not touch BENCHMARKS.md (--quick and --loopback never do)",
+    )
     parser.add_argument(
         "--render",
         metavar="NAME",
@@ -1196,7 +1201,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.name or ("links" + ("_quick" if args.quick else "") + ("_loopback" if args.loopback else ""))
     command = "python -m benchmarks.links " + " ".join(argv if argv is not None else sys.argv[1:])
     report = run_all(cfg, jobs, name=name, command=command.strip())
-    if not args.no_markdown:
+    # Only the full run in the lab goes to BENCHMARKS.md by default: a --quick or --loopback run must not
+    # replace it by accident (``--render NAME`` puts any run's results there on purpose).
+    if args.no_markdown or args.quick or args.loopback:
+        print(
+            f"results in {RESULTS_DIR / name}.json; `python -m benchmarks.links --render {name}` writes "
+            "them to BENCHMARKS.md"
+        )
+    else:
         write_markdown(markdown_section(report))
     print(json.dumps(report["analysis"]["targets"], indent=1))
     return 0
