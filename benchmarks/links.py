@@ -4,7 +4,7 @@ Run (from the repository root, as root for the network lab; ``--loopback`` anywh
 
     python -m benchmarks.links                 # full run (40 min on 2 busy cores): results/links.json, plots,
                                                # and the "Links" section of BENCHMARKS.md
-    python -m benchmarks.links --quick         # small model, 8 runs: ~6 min on 2 cores
+    python -m benchmarks.links --quick         # small model, 8 runs: 3 min on 2 cores (mostly start-up)
     python -m benchmarks.links --render links  # rewrite the Links section from results/links.json
     python -m benchmarks.links --loopback      # no namespaces, no rate limits (not root)
     python -m benchmarks.links --plan          # print what would run, run nothing
