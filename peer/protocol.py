@@ -436,6 +436,16 @@ async def serve(
 
     async def _handle(
         parts: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        yield await _respond(parts, context)
+        # Linger (see note "reply before close"): hivemind closes our end of the stream as soon as
+        # this generator ends, and the daemon may then reset the stream before the reply reached
+        # the caller (seen under load as "the stream closed without a reply"). The caller closes
+        # its end once it has the reply, which cancels this sleep at once.
+        await asyncio.sleep(_LINGER_S)
+
+    async def _respond(
+        parts: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
         try:
             remote = str(context.remote_id)
@@ -452,7 +462,12 @@ async def serve(
             await _discard_rest(parts)
             return _reply({"ok": False, "error": str(e), "code": type(e).__name__})
 
-    await p2p.add_protobuf_handler(name, _handle, runtime_pb2.ExpertRequest, stream_input=True)
+    await p2p.add_protobuf_handler(
+        name, _handle, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
+    )
+
+
+_LINGER_S = 10.0
 
 
 _DISCARD_BYTES = 64 << 20
