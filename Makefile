@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup test test-fast demo lint bench clean
+.PHONY: setup test test-fast demo lint bench bench-links bench-links-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks.codecs
+
+# The link benchmark needs root for network namespaces (it says so otherwise; --loopback runs without).
+bench-links: setup
+	$(BIN)/python -m benchmarks.links
+
+bench-links-quick: setup
+	$(BIN)/python -m benchmarks.links --quick
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
