@@ -21,7 +21,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from swarm.errors import ConfigError, PeerFailure, RecordError, RequestError, StageUnavailableError, SwarmError
+from swarm.errors import (
+    ConfigError,
+    PeerFailure,
+    RecordError,
+    RequestError,
+    StageUnavailableError,
+    SwarmError,
+)
 from swarm.version import __version__
 
 _LAZY = {

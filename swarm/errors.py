@@ -39,8 +39,9 @@ class StageUnavailableError(SwarmError):
 class PeerFailure(SwarmError):
     """A remote peer did not answer, answered with an error, or broke a route."""
 
-    def __init__(self, message: str, *, peer: str | None = None, stage: int | None = None,
-                 reason: str = "error"):
+    def __init__(
+        self, message: str, *, peer: str | None = None, stage: int | None = None, reason: str = "error"
+    ):
         super().__init__(message)
         self.peer = peer
         self.stage = stage
