@@ -814,7 +814,8 @@ class StagePeer:
             payload = self._codecs[0].encode(res.output, stream=(nxt, s, "act"))
             stats[f"fwd_bytes_{s}"] = float(len(payload))
             header = dataclasses.replace(h, stage=s + 1, stats=stats, sent_at=time.time())
-            self._send(self._deliver_forward(compute, h, header, payload))
+            # if the hop fails the route broke downstream: its backward never comes, so free the stash entry
+            self._send(self._deliver(FORWARD, nxt, h, header, payload, drop_from=compute))
             return
 
         # the last stage: loss, then backward (train) or the result (eval/generate)
@@ -900,7 +901,7 @@ class StagePeer:
         header = BackwardHeader(
             run_id=fwd.run_id, spec_hash=fwd.spec_hash, mb_id=fwd.mb_id, stage=s - 1, stats=stats
         )
-        self._send(self._deliver_backward(compute, fwd, header, payload))
+        self._send(self._deliver(BACKWARD, fwd.route[header.stage], fwd, header, payload, drop_from=None))
 
     # ---------------------------------------------------------------------- network (loop side)
 
@@ -922,40 +923,34 @@ class StagePeer:
             except RuntimeError:  # the loop is closed: we are shutting down
                 coro.close()
 
-    async def _deliver_forward(
-        self, compute: StageCompute, h: ForwardHeader, header: ForwardHeader, payload: bytes
+    async def _deliver(
+        self,
+        name: str,
+        peer: str,
+        origin: ForwardHeader,
+        header: ForwardHeader | BackwardHeader,
+        payload: bytes,
+        *,
+        drop_from: StageCompute | None,
     ) -> None:
-        nxt = header.route[header.stage]
+        """Send one hop of ``origin``'s micro-batch; on failure count it, drop its stash entry from
+        ``drop_from`` (if given) and report it to the trainer, naming the hop's stage and peer."""
         try:
             await call(
                 self._p2p,
-                nxt,
-                FORWARD,
+                peer,
+                name,
                 Message(header.to_wire(), payload),
                 timeout_s=self.config.request_timeout_s,
                 auth=self.auth,
             )
         except (PeerFailure, RequestError) as e:
             self.counters["failed_sends"] += 1
-            compute.drop(h.mb_id)
-            await self._report(h.trainer, self._failed(h, stage=header.stage, peer=nxt, reason=str(e)))
-
-    async def _deliver_backward(
-        self, compute: StageCompute, fwd: ForwardHeader, header: BackwardHeader, payload: bytes
-    ) -> None:
-        prev = fwd.route[header.stage]
-        try:
-            await call(
-                self._p2p,
-                prev,
-                BACKWARD,
-                Message(header.to_wire(), payload),
-                timeout_s=self.config.request_timeout_s,
-                auth=self.auth,
+            if drop_from is not None:
+                drop_from.drop(origin.mb_id)
+            await self._report(
+                origin.trainer, self._failed(origin, stage=header.stage, peer=peer, reason=str(e))
             )
-        except (PeerFailure, RequestError) as e:
-            self.counters["failed_sends"] += 1
-            await self._report(fwd.trainer, self._failed(fwd, stage=header.stage, peer=prev, reason=str(e)))
 
     def _failed(self, h: ForwardHeader, *, stage: int, peer: str, reason: str) -> Report:
         return Report(
