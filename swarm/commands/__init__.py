@@ -1,1 +1,19 @@
-"""Subcommands of ``swarm``: one module per command, each exposing ``register(subparsers)``."""
+"""Subcommands of ``swarm``: one module per command, each exposing ``register(subparsers)``.
+
+Also the arguments several commands share, so their flags read the same everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_initial_peers(p: argparse.ArgumentParser) -> None:
+    """``--initial-peers MADDR...`` (required): how a command finds the swarm."""
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="any peer of the swarm, e.g. the address printed by `swarm init`",
+    )

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from swarm.commands import add_initial_peers
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -24,13 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MADDR",
-        help="any peer of the swarm, e.g. the address printed by `swarm init`",
-    )
+    add_initial_peers(p)
     p.add_argument("--run", required=True, metavar="RUN", help="run id to export")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
     p.add_argument(

@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+from swarm.commands import add_initial_peers
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -18,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    add_initial_peers(p)
     p.add_argument("--run", required=True, metavar="RUN", help="run id")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
     p.add_argument(

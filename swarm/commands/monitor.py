@@ -16,6 +16,8 @@ import os
 import signal
 import threading
 
+from swarm.commands import add_initial_peers
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -24,13 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MADDR",
-        help="any peer of the swarm, e.g. the address printed by `swarm init`",
-    )
+    add_initial_peers(p)
     p.add_argument("--run", default=None, metavar="RUN", help="run id (default: every run in the registry)")
     p.add_argument("--port", type=int, default=8080, help="web server port (default 8080; 0 = any free port)")
     p.add_argument(

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+from swarm.commands import add_initial_peers
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -22,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve one pipeline stage of a run",
         description="Join a run, claim a stage (or --stage N), load its weights and serve it until stopped.",
     )
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    add_initial_peers(p)
     p.add_argument(
         "--run", required=True, metavar="RUN_ID", help="the run to serve (its spec comes from the DHT)"
     )

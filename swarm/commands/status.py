@@ -13,15 +13,11 @@ import argparse
 import json
 import os
 
+from swarm.commands import add_initial_peers
+
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MADDR",
-        help="any peer of the swarm, e.g. the address printed by `swarm init`",
-    )
+    add_initial_peers(p)
     p.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
     p.add_argument(
         "--timeout-s",
