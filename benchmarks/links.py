@@ -2,9 +2,9 @@
 
 Run (from the repository root, as root for the network lab; ``--loopback`` anywhere)::
 
-    python -m benchmarks.links                 # full run (40 min on 2 busy cores): results/links.json, plots,
-                                               # and the "Links" section of BENCHMARKS.md
-    python -m benchmarks.links --quick         # small model, 8 runs: 3 min on 2 cores (mostly start-up)
+    python -m benchmarks.links                 # full run (~90 min on 2 idle cores): results/links.json,
+                                               # plots, and the "Links" section of BENCHMARKS.md
+    python -m benchmarks.links --quick         # small model, 11 runs: 4 min on 2 cores (mostly start-up)
     python -m benchmarks.links --render links  # rewrite the Links section from results/links.json
     python -m benchmarks.links --loopback      # no namespaces, no rate limits (not root)
     python -m benchmarks.links --plan          # print what would run, run nothing
@@ -14,16 +14,20 @@ a bootstrap node (``swarm init``), one stage peer per stage (``swarm peer --stag
 (``swarm train``); the pipelining ranks use the stage peers' namespaces. Each link's egress is capped
 with tbf at the run's rate, the same for every node.
 
-- throughput: at each rate, the swarm with its default codec (async mode) and pipelining with the
-  GPipe and 1F1B schedules; at ``sweep_rate`` (20mbit) also every other codec, and sync mode. Tokens/s = median over windows of ``pipe_n_micro`` micro-batches after warm-up (for
-  pipelining a window is one optimizer step), so both sides are measured the same way.
+- throughput: at each rate, the swarm with its default codec (async mode), the subspace-constrained
+  models (``subspace_ratios``, async, coefficients sent with the default codec) and pipelining with the
+  GPipe and 1F1B schedules; at the ``sweep_rates`` (100mbit, 20mbit) and unshaped also every codec in
+  both optimizer modes. Tokens/s = median over windows of ``pipe_n_micro`` micro-batches after warm-up
+  (for pipelining a window is one optimizer step), so both sides are measured the same way.
 - bytes on the wire per token: the lab's link counters (all nodes, frames with headers, DHT chatter
   included) over tokens trained; next to it the payload the trainer's metrics count.
 - memory: peak resident memory (VmHWM) of each stage peer (main process; with its hivemind DHT child
   and p2pd as ``tree``), of the trainer, of each pipelining rank and of the single process.
 - convergence: on unshaped links (rate ``none``) every codec in both optimizer modes, the same data
   (trainer seed 0) and token budget; loss against tokens and wall-clock, held-out loss at the end,
-  tokens to reach a target loss, all against sync mode without compression.
+  tokens to reach a target loss, all against sync mode without compression; the same for the
+  subspace models. Wall-clock to the target at each rate = tokens to target / that configuration's
+  tokens/s at the rate (see ``analyse``).
 
 Note [threads]: every stage process (stage peer or pipelining rank) gets cores / stages torch threads
 (at least 1), so the stage processes of either system use the machine's cores once. The single process
@@ -89,8 +93,13 @@ class LinksConfig:
     """Codecs of the codec sweep and of the convergence runs."""
     default_codec: str = "blockwise8"
     """The swarm's default codec (examples/bench.yaml), run at every rate."""
-    sweep_rate: str | None = "20mbit"
-    """Rate at which every codec and sync mode are also measured."""
+    sweep_rates: tuple[str, ...] = ("100mbit", "20mbit")
+    """Shaped rates at which every codec in both optimizer modes is measured (unshaped, the convergence
+    runs measure them all)."""
+    subspace_ratios: tuple[int, ...] = (32, 100)
+    """Subspace-constrained models (``model.subspace: {ratio: r}``, k = d_model / r numbers per token at a
+    boundary, coefficients sent with the default codec): convergence in both modes, throughput (async)
+    at every rate. Empty: none."""
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
     """Pipelining schedules measured at every rate."""
     single_threads: tuple[int, ...] | None = None
@@ -99,11 +108,13 @@ class LinksConfig:
     """Micro-batches per optimizer step, in sync and async mode alike."""
     lr_warmup_steps: int = 4
     """Optimizer steps of LR warm-up (replaces the spec's)."""
+    recompute: bool | None = None
+    """Replace the spec's ``optimizer.recompute`` (None: keep it)."""
     throughput_mb: int = 24
     """Micro-batches per throughput run (warm-up included)."""
     warmup_mb: int = 8
     """Micro-batches left out of throughput medians."""
-    convergence_mb: int = 32
+    convergence_mb: int = 192
     """Micro-batches per convergence run (the token budget), on unshaped links."""
     pipe_n_micro: int = 8
     """Micro-batches per pipelining step (its throughput window; also the swarm's window)."""
@@ -133,8 +144,13 @@ class LinksConfig:
                     f"{name} = {getattr(self, name)} must be a multiple of accumulate = {self.accumulate} "
                     "(a trainer runs whole optimizer steps)"
                 )
-        for r in (*self.rates, *([self.sweep_rate] if self.sweep_rate else [])):
+        for r in (*self.rates, *self.sweep_rates):
             format_rate(r)  # raises ConfigError on a bad rate
+        for r in self.subspace_ratios:
+            if not isinstance(r, int) or r < 1:
+                raise ConfigError(
+                    f"subspace ratio {r!r} must be a whole number >= 1 (k = d_model / ratio), e.g. 32"
+                )
         if self.loopback and any(format_rate(r) != "none" for r in self.rates):
             raise ConfigError(
                 f"rates {list(self.rates)} need the network lab; with --loopback only 'none' is possible"
@@ -157,14 +173,25 @@ class Job:
     """throughput, codecs, modes, convergence, memory."""
     threads: int | None = None
     """torch threads (single process only; see Note [threads])."""
+    subspace: int | None = None
+    """swarm: the model's ``subspace`` ratio (k = d_model / subspace), None = an ordinary model."""
+
+    @property
+    def label(self) -> str:
+        """What crosses a boundary: the codec, or the subspace coefficients and their codec."""
+        return subspace_label(self.codec, self.subspace)
 
     @property
     def name(self) -> str:
         if self.kind == "swarm":
-            return f"swarm {self.codec} {self.mode} @ {self.rate}"
+            return f"swarm {self.label} {self.mode} @ {self.rate}"
         if self.kind == "pipelining":
             return f"pipelining {self.schedule} @ {self.rate}"
         return f"single process, {self.threads} thread(s)"
+
+
+def subspace_label(codec: str | None, subspace: int | None) -> str:
+    return f"subspace d/{subspace} + {codec}" if subspace else str(codec)
 
 
 def plan(cfg: LinksConfig) -> list[Job]:
@@ -174,11 +201,12 @@ def plan(cfg: LinksConfig) -> list[Job]:
     the swarm, so the swarm has one run per (codec, mode, rate) at most.
     """
     rates = [format_rate(r) for r in cfg.rates]
-    sweep = format_rate(cfg.sweep_rate) if cfg.sweep_rate else None
+    sweeps = {format_rate(r) for r in cfg.sweep_rates}
+    dc = cfg.default_codec
     jobs: dict[tuple, Job] = {}
 
     def add(job: Job) -> None:
-        key = (job.kind, job.rate, job.codec, job.mode, job.schedule)
+        key = (job.kind, job.rate, job.codec, job.mode, job.schedule, job.subspace)
         old = jobs.get(key)
         if old is None:
             jobs[key] = job
@@ -193,10 +221,18 @@ def plan(cfg: LinksConfig) -> list[Job]:
         jobs[("single", threads)] = Job(
             "single", micro_batches=cfg.throughput_mb, purposes=("throughput", "memory"), threads=threads
         )
-    for codec in cfg.codecs:
+    for codec, ratio in [*((c, None) for c in cfg.codecs), *((dc, r) for r in cfg.subspace_ratios)]:
         for mode in ("sync", "async"):
             add(
-                Job("swarm", "none", codec, mode, micro_batches=cfg.convergence_mb, purposes=("convergence",))
+                Job(
+                    "swarm",
+                    "none",
+                    codec,
+                    mode,
+                    micro_batches=cfg.convergence_mb,
+                    purposes=("convergence",),
+                    subspace=ratio,
+                )
             )
     for rate in rates:
         for schedule in cfg.schedules:
@@ -209,29 +245,31 @@ def plan(cfg: LinksConfig) -> list[Job]:
                     purposes=("throughput", "memory"),
                 )
             )
-        add(
-            Job(
-                "swarm",
-                rate,
-                cfg.default_codec,
-                "async",
-                micro_batches=cfg.throughput_mb,
-                purposes=("throughput",),
+        for ratio in (None, *cfg.subspace_ratios):
+            add(
+                Job(
+                    "swarm",
+                    rate,
+                    dc,
+                    "async",
+                    micro_batches=cfg.throughput_mb,
+                    purposes=("throughput",),
+                    subspace=ratio,
+                )
             )
-        )
-    if sweep in rates:
-        for codec in cfg.codecs:
-            add(Job("swarm", sweep, codec, "async", micro_batches=cfg.throughput_mb, purposes=("codecs",)))
-        add(
-            Job(
-                "swarm",
-                sweep,
-                cfg.default_codec,
-                "sync",
-                micro_batches=cfg.throughput_mb,
-                purposes=("modes",),
-            )
-        )
+        if rate in sweeps:
+            for codec in cfg.codecs:
+                for mode in ("sync", "async"):
+                    add(
+                        Job(
+                            "swarm",
+                            rate,
+                            codec,
+                            mode,
+                            micro_batches=cfg.throughput_mb,
+                            purposes=("codecs", "modes"),
+                        )
+                    )
     add(
         Job(
             "swarm", "none", cfg.default_codec, "async", micro_batches=cfg.throughput_mb, purposes=("memory",)
@@ -249,6 +287,7 @@ def plan(cfg: LinksConfig) -> list[Job]:
             j.kind != "single",
             j.kind,
             j.codec or "",
+            j.subspace or 0,
             j.mode or "",
             j.schedule or "",
         ),
@@ -279,10 +318,14 @@ def base_spec_dict(cfg: LinksConfig) -> dict[str, Any]:
         data["stages"] = len(data["stages"])  # the same number of stages, split over the new depth
     data["optimizer"]["accumulate"] = cfg.accumulate
     data["optimizer"]["warmup_steps"] = cfg.lr_warmup_steps
+    if cfg.recompute is not None:
+        data["optimizer"]["recompute"] = cfg.recompute
     return data
 
 
-def write_spec(cfg: LinksConfig, work: Path, run_id: str, codec: str, mode: str) -> Path:
+def write_spec(
+    cfg: LinksConfig, work: Path, run_id: str, codec: str, mode: str, subspace: int | None = None
+) -> Path:
     """A YAML spec for one swarm run (``swarm init`` reads YAML); validated by loading it back."""
     import yaml
 
@@ -292,6 +335,8 @@ def write_spec(cfg: LinksConfig, work: Path, run_id: str, codec: str, mode: str)
     data["run_id"] = run_id
     data["codecs"] = {"activations": codec, "gradients": codec}
     data["optimizer"]["mode"] = mode
+    if subspace:
+        data["model"]["subspace"] = {"ratio": subspace}
     path = work / f"{run_id}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=True))
     RunSpec.from_yaml(path)
@@ -436,8 +481,9 @@ def run_swarm(
     starts together with the peers and the trainer (they wait for the spec in the DHT), which saves a
     serial process start per run; without, ``swarm init`` is the bootstrap and starts first.
     """
-    run_id = f"links-{job.codec.split(':')[0]}-{job.mode}-{job.rate}-{os.getpid()}"
-    spec_path = write_spec(cfg, work, run_id, job.codec, job.mode)
+    sub = f"-ss{job.subspace}" if job.subspace else ""
+    run_id = f"links-{job.codec.split(':')[0]}{sub}-{job.mode}-{job.rate}-{os.getpid()}"
+    spec_path = write_spec(cfg, work, run_id, job.codec, job.mode, job.subspace)
     from swarm.spec import RunSpec
 
     spec = RunSpec.from_yaml(spec_path)
@@ -571,6 +617,9 @@ def run_swarm(
             "kind": "swarm",
             "rate": job.rate,
             "codec": job.codec,
+            "subspace": job.subspace,
+            "subspace_rank": spec.model.subspace_rank,
+            "label": job.label,
             "mode": job.mode,
             "purposes": list(job.purposes),
             "micro_batches": job.micro_batches,
@@ -666,14 +715,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def analyse(cfg: LinksConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Ratios for the issue's targets and the convergence table, from one run's results (pure)."""
+    """Ratios for the issue's targets, the convergence table and wall-clock to the target loss at each
+    rate, from one run's results (pure)."""
     dc = cfg.default_codec
     rates = [format_rate(r) for r in cfg.rates]
-    slow = format_rate(cfg.sweep_rate) if cfg.sweep_rate else None
-    out: dict[str, Any] = {"targets": {}, "convergence": {}}
+    out: dict[str, Any] = {"targets": {}, "convergence": {}, "time_to_target": {}}
     t = out["targets"]
 
     def tps(**kw: Any) -> float | None:
+        if kw.get("kind") == "swarm":
+            kw.setdefault("subspace", None)
         r = _find(results, **kw)
         return r.get("tokens_per_s") if r else None
 
@@ -691,8 +742,8 @@ def analyse(cfg: LinksConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
     t["target_0.9_pipelining_unshaped"] = t.get(f"swarm_{dc}_vs_1f1b@none")
     t["swarm_vs_single_process_1_thread"] = _ratio(swarm_free, tps(kind="single", threads=1))
     # Memory: stage peers (main process) per mode, unshaped default codec.
-    sync = _find(results, kind="swarm", codec=dc, mode="sync", rate="none")
-    asyn = _find(results, kind="swarm", codec=dc, mode="async", rate="none")
+    sync = _find(results, kind="swarm", codec=dc, mode="sync", rate="none", subspace=None)
+    asyn = _find(results, kind="swarm", codec=dc, mode="async", rate="none", subspace=None)
     pipe = _find(results, kind="pipelining", schedule="1f1b", rate="none")
 
     def peer_peak(r: dict[str, Any] | None, key: str = "main") -> float | None:
@@ -708,9 +759,16 @@ def analyse(cfg: LinksConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
 
     # Convergence: same data and budget, unshaped; reference = sync without compression.
     base = _find(
-        results, kind="swarm", codec="none", mode="sync", rate="none", micro_batches=cfg.convergence_mb
+        results,
+        kind="swarm",
+        codec="none",
+        mode="sync",
+        rate="none",
+        micro_batches=cfg.convergence_mb,
+        subspace=None,
     )
     conv = out["convergence"]
+    ttt = out["time_to_target"]
     if base:
         pts = [p for p in base["losses"] if p.get("loss") is not None]
         sm = _smooth([p["loss"] for p in pts])
@@ -726,24 +784,58 @@ def analyse(cfg: LinksConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
                 continue
             if r.get("error"):
                 continue
-            key = f"{r['codec']} {r['mode']}"
+            key = f"{subspace_label(r['codec'], r.get('subspace'))} {r['mode']}"
+            tokens = tokens_to_target(r["losses"], target) if target is not None else None
             conv[key] = {
                 "final_train_loss": _final(r["losses"]),
                 "eval_loss": r.get("eval_loss"),
                 "eval_vs_reference": _ratio(r.get("eval_loss"), base.get("eval_loss")),
                 "train_vs_reference": _ratio(_final(r["losses"]), _final(base["losses"])),
-                "tokens_to_target": tokens_to_target(r["losses"], target) if target is not None else None,
-                "wall_s_to_target": _wall_at(r["losses"], tokens_to_target(r["losses"], target))
-                if target
-                else None,
+                "tokens_to_target": tokens,
+                "wall_s_to_target": _wall_at(r["losses"], tokens),
                 "tokens_per_s": r.get("tokens_per_s"),
             }
+            # Wall-clock to the target at each rate = tokens to target (this unshaped run: same data and
+            # schedule) / the same configuration's tokens/s measured at that rate.
+            ttt[key] = {}
+            for rate in rates:
+                rate_tps = tps(
+                    kind="swarm", codec=r["codec"], mode=r["mode"], rate=rate, subspace=r.get("subspace")
+                )
+                ttt[key][rate] = {
+                    "tokens_per_s": rate_tps,
+                    "s_to_target": tokens / rate_tps if tokens is not None and rate_tps else None,
+                }
+        # torch pipelining is synchronous and uncompressed: it needs the reference's tokens to target.
+        ref_tokens = (conv.get("none sync") or {}).get("tokens_to_target")
+        for schedule in cfg.schedules:
+            key = f"torch pipelining {schedule}"
+            ttt[key] = {}
+            for rate in rates:
+                rate_tps = tps(kind="pipelining", schedule=schedule, rate=rate)
+                ttt[key][rate] = {
+                    "tokens_per_s": rate_tps,
+                    "s_to_target": ref_tokens / rate_tps if ref_tokens is not None and rate_tps else None,
+                }
         t[f"convergence_{dc}_sync_within_1pct"] = (conv.get(f"{dc} sync") or {}).get("eval_vs_reference")
         t["convergence_async_vs_sync_none"] = (conv.get("none async") or {}).get("eval_vs_reference")
         t[f"convergence_{dc}_async_vs_sync_{dc}"] = _ratio(
             (conv.get(f"{dc} async") or {}).get("eval_loss"), (conv.get(f"{dc} sync") or {}).get("eval_loss")
         )
-    out["slow_rate"] = slow
+        for ratio in cfg.subspace_ratios:
+            label = subspace_label(dc, ratio)
+            for mode in ("sync", "async"):
+                t[f"subspace_d/{ratio}_{mode}_loss_vs_none_{mode}"] = _ratio(
+                    (conv.get(f"{label} {mode}") or {}).get("eval_loss"),
+                    (conv.get(f"none {mode}") or {}).get("eval_loss"),
+                )
+            for rate in rates:
+                mine = ((ttt.get(f"{label} async") or {}).get(rate) or {}).get("s_to_target")
+                for other in ("none async", "none sync", f"{dc} async"):
+                    theirs = ((ttt.get(other) or {}).get(rate) or {}).get("s_to_target")
+                    t[f"subspace_d/{ratio}_time_to_target_speedup_vs_{other.replace(' ', '_')}@{rate}"] = (
+                        _ratio(theirs, mine)
+                    )
     return out
 
 
@@ -769,9 +861,17 @@ def plot(
     fig = Figure(figsize=(7, 4.2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
+    dc = cfg.default_codec
     series = [
-        (f"swarm {cfg.default_codec} async", {"kind": "swarm", "codec": cfg.default_codec, "mode": "async"}),
-        ("swarm none async", {"kind": "swarm", "codec": "none", "mode": "async"}),
+        (f"swarm {dc} async", {"kind": "swarm", "codec": dc, "mode": "async", "subspace": None}),
+        ("swarm none async", {"kind": "swarm", "codec": "none", "mode": "async", "subspace": None}),
+        *(
+            (
+                f"swarm {subspace_label(dc, r)} async",
+                {"kind": "swarm", "codec": dc, "mode": "async", "subspace": r},
+            )
+            for r in cfg.subspace_ratios
+        ),
         ("pipelining 1F1B", {"kind": "pipelining", "schedule": "1f1b"}),
         ("pipelining GPipe", {"kind": "pipelining", "schedule": "gpipe"}),
     ]
@@ -819,7 +919,7 @@ def plot(
                 [p[x_key] for p in pts],
                 _smooth([p["loss"] for p in pts]),
                 linestyle="-" if r["mode"] == "sync" else "--",
-                label=f"{r['codec']} {r['mode']}",
+                label=f"{subspace_label(r['codec'], r.get('subspace'))} {r['mode']}",
             )
         ax.set_xlabel(x_label)
         ax.set_ylabel("training loss (3-step mean)")
@@ -922,8 +1022,24 @@ def markdown_section(report: dict[str, Any]) -> str:
     rows.append(
         (f"held-out loss: {dc} async / {dc} sync", "<= 1.02", t.get(f"convergence_{dc}_async_vs_sync_{dc}"))
     )
+    for ratio in cfg.get("subspace_ratios", ()):
+        for mode in ("sync", "async"):
+            rows.append(
+                (
+                    f"held-out loss: subspace d/{ratio} {mode} / none {mode}",
+                    "<= 1.03" if ratio == 32 else "-",
+                    t.get(f"subspace_d/{ratio}_{mode}_loss_vs_none_{mode}"),
+                )
+            )
+        rows.append(
+            (
+                f"wall-clock to target at 20mbit: none async / subspace d/{ratio} async",
+                ">= 3" if ratio == 32 else "-",
+                t.get(f"subspace_d/{ratio}_time_to_target_speedup_vs_none_async@20mbit"),
+            )
+        )
     for key, val in sorted(t.items()):
-        if key.startswith("swarm_") and "@" in key:
+        if (key.startswith("swarm_") or "speedup" in key) and "@" in key:
             rows.append((key.replace("_", " "), "-", val))
     for name, wanted, val in rows:
         lines.append(f"| {name} | {wanted} | {_f(val, '.2f')} |")
@@ -947,6 +1063,31 @@ def markdown_section(report: dict[str, Any]) -> str:
                 f"{_f(c['eval_vs_reference'], '.3f')} | {_f(c['tokens_to_target'])} | "
                 f"{_f(c['wall_s_to_target'], '.0f')} | {_f(c['tokens_per_s'])} |"
             )
+    ttt = a.get("time_to_target", {})
+    if ttt:
+        rates = [format_rate(r) for r in cfg["rates"]]
+        lines += [
+            "",
+            "### Wall-clock to the target loss at each rate",
+            "",
+            "Seconds = tokens to the target loss (the unshaped convergence run above; torch pipelining is "
+            "synchronous and uncompressed, so it is given the `none sync` run's tokens) / tokens/s of the "
+            "same configuration measured at that rate in this run. Derived, not a training run to the target "
+            "at each rate: in sync mode the loss per token does not depend on the link, only the tokens/s "
+            "does; in async mode staleness depends on timing, so its figures are estimates.",
+            "",
+            "| codec, mode | tokens to target | " + " | ".join(f"tokens/s, s @ {r}" for r in rates) + " |",
+            "|---|---|" + "---|" * len(rates),
+        ]
+        for key, per_rate in ttt.items():
+            tokens = (conv.get(key) or {}).get("tokens_to_target") if key in conv else None
+            if key.startswith("torch pipelining"):
+                tokens = (conv.get("none sync") or {}).get("tokens_to_target")
+            cells = [
+                f"{_f(per_rate.get(r, {}).get('tokens_per_s'))}, {_f(per_rate.get(r, {}).get('s_to_target'))}"
+                for r in rates
+            ]
+            lines.append(f"| {key} | {_f(tokens)} | " + " | ".join(cells) + " |")
     lines += ["", *[f"![{Path(p).stem}](benchmarks/results/{Path(p).name})" for p in report.get("plots", [])]]
     if report.get("reading"):
         lines += ["", "### Reading", "", report["reading"]]
@@ -1057,6 +1198,7 @@ def run_all(
                         "kind": job.kind,
                         "rate": job.rate,
                         "codec": job.codec,
+                        "subspace": job.subspace,
                         "mode": job.mode,
                         "schedule": job.schedule,
                         "error": f"{type(e).__name__}: {e}",
@@ -1117,13 +1259,14 @@ def _run_job(
 
 
 def quick_config(**kw: Any) -> LinksConfig:
-    """``--quick``: the bench model at 1/4 width and half depth; codecs none and blockwise8 (both modes,
-    unshaped), rates none and 5mbit, 1F1B only, one single-process run: 8 runs, most of their time is
-    process start-up."""
+    """``--quick``: the bench model at 1/4 width and half depth; codecs none and blockwise8 and the d/32
+    subspace model (both modes, unshaped), rates none and 5mbit, 1F1B only, one single-process run: 11
+    runs, most of their time is process start-up."""
     base = {
         "model_overrides": dict(QUICK_MODEL),
         "rates": ("none", "5mbit"),
-        "sweep_rate": None,
+        "sweep_rates": (),
+        "subspace_ratios": (32,),
         "schedules": ("1f1b",),
         "single_threads": (1,),
         "codecs": ("none", "blockwise8"),

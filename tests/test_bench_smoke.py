@@ -217,18 +217,32 @@ def test_baseline_configs_name_the_rule():
 def test_links_plan_covers_the_issue_matrix():
     from benchmarks.links import ALL_CODECS, LinksConfig, plan
 
-    cfg = LinksConfig(rates=("none", "100mbit", "20mbit"))
+    cfg = LinksConfig(rates=("none", "100mbit", "20mbit", "5mbit"))
     jobs = plan(cfg)
     names = [j.name for j in jobs]
-    assert len(names) == len(set(names))  # one run per (kind, rate, codec, mode, schedule)
+    assert len(names) == len(set(names))  # one run per (kind, rate, codec, mode, schedule, subspace)
     conv = [j for j in jobs if "convergence" in j.purposes]
-    assert {(j.codec, j.mode) for j in conv} == {(c, m) for c in ALL_CODECS for m in ("sync", "async")}
+    modes = ("sync", "async")
+    assert {(j.codec, j.subspace, j.mode) for j in conv} == {
+        (c, None, m) for c in ALL_CODECS for m in modes
+    } | {("blockwise8", r, m) for r in (32, 100) for m in modes}
     assert all(j.rate == "none" and j.micro_batches == cfg.convergence_mb for j in conv)
-    for rate in ("none", "100mbit", "20mbit"):
+    for rate in ("none", "100mbit", "20mbit", "5mbit"):
         for schedule in ("gpipe", "1f1b"):
             assert f"pipelining {schedule} @ {rate}" in names
         assert f"swarm blockwise8 async @ {rate}" in names
-    assert {j.codec for j in jobs if "codecs" in j.purposes} == set(ALL_CODECS)
+        assert f"swarm subspace d/32 + blockwise8 async @ {rate}" in names
+        assert f"swarm subspace d/100 + blockwise8 async @ {rate}" in names
+    # Every codec in both modes at the unshaped and the sweep rates, only the default codec at 5mbit.
+    for rate in ("none", "100mbit", "20mbit"):
+        assert {
+            (j.codec, j.mode) for j in jobs if j.rate == rate and j.kind == "swarm" and not j.subspace
+        } == {(c, m) for c in ALL_CODECS for m in modes}
+    assert {j.name for j in jobs if j.rate == "5mbit" and j.kind == "swarm"} == {
+        "swarm blockwise8 async @ 5mbit",
+        "swarm subspace d/32 + blockwise8 async @ 5mbit",
+        "swarm subspace d/100 + blockwise8 async @ 5mbit",
+    }
     assert "single process, 1 thread(s)" in names
 
 
@@ -241,6 +255,8 @@ def test_links_config_rules():
         LinksConfig(loopback=True, rates=("none", "20mbit"))
     with pytest.raises(ConfigError, match="kbit, mbit or gbit"):
         LinksConfig(rates=("fast",))
+    with pytest.raises(ConfigError, match="subspace ratio 0"):
+        LinksConfig(subspace_ratios=(0,))
 
 
 def test_swarm_figures_windows_and_target():
@@ -282,7 +298,7 @@ def test_links_benchmark_smoke(tiny_spec, tmp_path):
     cfg = LinksConfig(
         spec_path=tiny_spec,
         rates=("none", rate) if shaped else ("none",),
-        sweep_rate=rate,
+        sweep_rates=(rate,),
         accumulate=2,
         throughput_mb=8,
         warmup_mb=2,
@@ -296,11 +312,13 @@ def test_links_benchmark_smoke(tiny_spec, tmp_path):
     )
     jobs = [
         Job("swarm", rate, "blockwise8", "async", micro_batches=8, purposes=("throughput",)),
+        Job("swarm", rate, "blockwise8", "async", micro_batches=8, purposes=("throughput",), subspace=4),
         Job("pipelining", rate, schedule="1f1b", micro_batches=8, purposes=("throughput",)),
         Job("single", micro_batches=8, purposes=("throughput",), threads=1),
     ]
     report = run_all(cfg, jobs, name="links_smoke", command="test", results_dir=tmp_path, say=lambda _: None)
-    results = {r["kind"]: r for r in report["results"]}
+    results = {r["kind"]: r for r in report["results"] if not r.get("subspace")}
+    sub = next(r for r in report["results"] if r.get("subspace"))
     assert not any(r.get("error") for r in results.values()), [r.get("error") for r in results.values()]
     swarm = results["swarm"]
     assert swarm["completed"] == 8 and swarm["dropped"] == 0
@@ -314,6 +332,13 @@ def test_links_benchmark_smoke(tiny_spec, tmp_path):
         assert (
             results["pipelining"]["wire_bytes_per_token"] >= results["pipelining"]["payload_bytes_per_token"]
         )
+    # The subspace model sends k = d_model / 4 coefficients per token instead of d_model numbers.
+    assert (
+        not sub.get("error")
+        and sub["completed"] == 8
+        and sub["subspace_rank"] == TINY["model"]["d_model"] // 4
+    )
+    assert sub["payload_bytes_per_token"] < swarm["payload_bytes_per_token"] / 2.5
     ratio = report["analysis"]["targets"][f"swarm_blockwise8_vs_1f1b@{rate}"]
     assert ratio is not None and ratio > 0
     assert (tmp_path / "links_smoke.json").exists() and len(report["plots"]) == 3
@@ -322,6 +347,7 @@ def test_links_benchmark_smoke(tiny_spec, tmp_path):
         text.startswith("## Links")
         and "pipelining 1f1b" in text
         and "| single process, 1 thread(s) |" in text
+        and "swarm subspace d/4 + blockwise8 async" in text
     )
     assert not [n for n in our_namespaces() if n.startswith(report.get("lab", "none"))]
 
