@@ -65,6 +65,8 @@ from benchmarks.netlab import Lab, LabError, format_rate, lab_unavailable_reason
 from benchmarks.pipelining_baseline import ROOT, PipeConfig, _load_spec, run_pipelining
 from benchmarks.single_process import SingleConfig, run_single
 from swarm.errors import ConfigError, SwarmError
+from swarm.network import SOCKET_PREFIX_ENV
+from swarm.processes import remove_stale_sockets
 
 __all__ = ["LinksConfig", "Job", "plan", "run_swarm", "analyse", "markdown_section", "main"]
 
@@ -446,10 +448,24 @@ def _wait_for(
         time.sleep(0.2)
 
 
+def socket_prefix() -> str:
+    """The hivemind socket-file prefix of this benchmark's swarm processes (under the caller's
+    ``SWARMPIPE_SOCKET_PREFIX`` if set): what processes stopped with SIGKILL leave is removed after each
+    run (:func:`swarm.processes.remove_stale_sockets`), and only that."""
+    base = os.environ.get(SOCKET_PREFIX_ENV) or "/tmp/swarmpipe-"
+    return f"{base}links{os.getpid()}-"
+
+
 def start_bootstrap(lab: Lab, node: str, work: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
     """A plain bootstrap node (``swarm init`` without a run) on ``node``; its process and address."""
     log_path = work / "bootstrap.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HIVEMIND_LOGLEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HIVEMIND_LOGLEVEL": "WARNING",
+        "PYTHONUNBUFFERED": "1",
+        SOCKET_PREFIX_ENV: socket_prefix(),
+    }
     with open(log_path, "wb") as log:
         proc = lab.spawn(
             node,
@@ -495,6 +511,7 @@ def run_swarm(
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
+        SOCKET_PREFIX_ENV: socket_prefix(),
     }
     py = [sys.executable, "-m", "swarm.cli"]
     procs: list[subprocess.Popen] = []
@@ -601,6 +618,7 @@ def run_swarm(
             lab.stop(proc, grace_s=10.0)
         for f in logs:
             f.close()
+        stale = remove_stale_sockets(socket_prefix())  # of processes that needed SIGKILL
     memory = watcher.report_mb()
     records = [
         json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
@@ -625,6 +643,7 @@ def run_swarm(
             "micro_batches": job.micro_batches,
             "threads_per_peer": threads,
             "startup_s": t_online - t_start,
+            "stale_sockets_removed": len(stale),
             "wire_bytes_per_token": wire,
             "wire_bytes_per_token_by_node": None
             if wire is None
@@ -1216,6 +1235,7 @@ def run_all(
                 report["results"].append(res)
                 report["wall_min"] = (time.perf_counter() - t0) / 60
                 out_json.write_text(json.dumps(report, indent=1, default=str))
+    remove_stale_sockets(socket_prefix())  # the bootstrap node's, if the lab had to SIGKILL it
     report["analysis"] = analyse(cfg, report["results"])
     report["plots"] = plot(cfg, report["results"], name, results_dir)
     report["wall_min"] = (time.perf_counter() - t0) / 60

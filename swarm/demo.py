@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from swarm.errors import ConfigError, SwarmError
+from swarm.network import SOCKET_PREFIX_ENV
+from swarm.processes import remove_stale_sockets
 
 __all__ = ["DemoConfig", "Demo", "PeerProcess", "demo_spec", "DEFAULT_DEMO_SPEC"]
 
@@ -182,6 +184,9 @@ class Demo:
         self.chaos_log: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._boot_thread: threading.Thread | None = None
+        self.socket_prefix = _demo_socket_prefix()
+        """Prefix of the peers' hivemind socket files (see :meth:`shutdown`)."""
+        self.stale_sockets_removed: list[str] = []
 
     # ---- output ---------------------------------------------------------------------------------
 
@@ -256,6 +261,7 @@ class Demo:
         env.setdefault("MKL_NUM_THREADS", str(threads))
         env.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
         env["PYTHONUNBUFFERED"] = "1"
+        env[SOCKET_PREFIX_ENV] = self.socket_prefix
         return env
 
     def add_peer(self, stage: int, *, extra_args: tuple[str, ...] = (), name: str = "extra") -> PeerProcess:
@@ -486,6 +492,8 @@ class Demo:
             self._boot_thread.join(timeout=15.0)
         if self.boot is not None:
             self.boot.close()
+        # A SIGKILLed peer (chaos, or one that outlived the grace period) leaves its socket files.
+        self.stale_sockets_removed += remove_stale_sockets(self.socket_prefix)
 
     def leftovers(self) -> list[int]:
         """Live processes (not zombies) in the process groups this demo created; empty after
@@ -515,6 +523,13 @@ class Demo:
             if pgrp in groups and state not in ("Z", "X"):
                 alive.append(int(entry))
         return alive
+
+
+def _demo_socket_prefix() -> str:
+    """A socket-file prefix of this demo's own (under the caller's ``SWARMPIPE_SOCKET_PREFIX`` if set, so
+    the test suite still sees the files): the demo removes what its killed peers leave, and only that."""
+    base = os.environ.get(SOCKET_PREFIX_ENV) or "/tmp/swarmpipe-"
+    return f"{base}demo{os.getpid()}-"
 
 
 def _kill_group(pgid: int, sig: int) -> None:

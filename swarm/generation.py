@@ -54,6 +54,8 @@ class GenerateConfig:
     host_maddrs: tuple[str, ...] = ()
     spec_timeout_s: float = 30.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    secret: bytes | None = field(default=None, repr=False)
+    """Join secret of a private run (``swarm.auth.load_secret``); None for a public run."""
 
     def __post_init__(self) -> None:
         if not self.initial_peers:
@@ -149,6 +151,7 @@ async def generate_async(cfg: GenerateConfig, *, on_text: Callable[[str], None] 
         run_id=cfg.run_id,
         host_maddrs=cfg.host_maddrs,
         spec_timeout_s=cfg.spec_timeout_s,
+        secret=cfg.secret,
     )
     try:
         tokenizer = load_tokenizer(cfg.tokenizer, vocab_size=link.spec.model.vocab_size)

@@ -93,12 +93,17 @@ class MonitorConfig:
     """Seconds a poll waits for a run's spec to appear before showing the run without it."""
     prometheus: bool = True
     """Serve Prometheus text metrics at ``/metrics``."""
+    secret: bytes | None = field(default=None, repr=False)
+    """Join secret of the private run ``run_id``: its peer records are then checked (``swarm.status.
+    apply_access``); without it a private run's records are shown unchecked, with a note."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dht, DHTConfig):
             raise ConfigError(f"dht={self.dht!r} must be a DHTConfig")
         if self.run_id is not None:
             check_run_id(self.run_id)
+        if self.secret is not None and self.run_id is None:
+            raise ConfigError("a join secret needs run_id (--run RUN): it belongs to one private run")
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host={self.host!r} must be an address to bind, e.g. 127.0.0.1 or 0.0.0.0")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -837,7 +842,7 @@ class _Poller(threading.Thread):
                 view = self._views[run_id] = self.registry.for_run(run_id)
             timeout = self.cfg.spec_timeout_s if view.spec is None else 0.5
             try:
-                status = gather_run_status(view, spec_timeout_s=timeout)
+                status = gather_run_status(view, spec_timeout_s=timeout, secret=self.cfg.secret)
             except ConfigError as e:  # the run is unknown (yet): say so on the page, keep polling
                 errors[run_id] = str(e)
                 continue

@@ -7,17 +7,24 @@ a service manager, a container stop -- does not stop them; when their graceful s
 stalls because ``p2pd`` is already gone, multiprocessing's exit hook joins them forever and the
 command never exits. After a command has shut down cleanly, :func:`reap_children` gives whatever
 is left a grace period and then kills it.
+
+A SIGKILLed process cannot remove its hivemind unix socket files either; whoever killed it can, with
+:func:`remove_stale_sockets` over the socket prefix its processes were given (``swarm.network``'s
+``SWARMPIPE_SOCKET_PREFIX``).
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import signal
+import socket
 import sys
 from types import FrameType
 
 import psutil
 
-__all__ = ["reap_children", "terminate_as_interrupt"]
+__all__ = ["reap_children", "remove_stale_sockets", "terminate_as_interrupt"]
 
 # torch's shared-memory manager exits on its own when its parent does.
 _SELF_EXITING = ("torch_shm_manager",)
@@ -43,6 +50,30 @@ def reap_children(grace_s: float = 5.0) -> list[str]:
             pass
     psutil.wait_procs(alive, timeout=2.0)
     return killed
+
+
+def remove_stale_sockets(prefix: str) -> list[str]:
+    """Remove the ``PREFIX*.sock`` files that nobody listens on any more; return their paths.
+
+    Those are what a SIGKILLed hivemind process (p2pd or a P2P client) leaves: a live process keeps
+    listening on its own, so a live peer's files are never touched.
+    """
+    removed = []
+    for path in sorted(glob.glob(glob.escape(prefix) + "*.sock")):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(path)
+                continue  # somebody listens: a live process's socket
+            except ConnectionRefusedError:  # a file without a listener: its process is gone
+                pass
+            except OSError:  # not a socket we can judge (permissions, vanished): leave it
+                continue
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def terminate_as_interrupt() -> None:

@@ -16,6 +16,7 @@ from swarm.records import ACTIVE_STATES, PeerRecord, RunEntry
 
 if TYPE_CHECKING:
     from swarm.membership import Membership
+    from swarm.spec import RunSpec
 
 __all__ = [
     "StageStatus",
@@ -118,12 +119,42 @@ def _entry_json(e: RunEntry) -> dict[str, Any]:
     return {k: getattr(e, k) for k in e.__dataclass_fields__}
 
 
-def gather_run_status(membership: Membership, *, spec_timeout_s: float = 5.0) -> RunStatus:
+def apply_access(membership: Membership, spec: RunSpec, secret: bytes | None) -> str | None:
+    """Make ``membership`` ignore the records its run's access rules refuse; a note if it cannot.
+
+    Public runs: the spec's allow/deny lists. Private runs: with the right ``secret``, records without a
+    valid join proof are dropped (``ConfigError`` for a wrong secret); without one only the lists
+    apply and the returned note says that outsiders' records may be shown. The rules are set once per
+    ``membership`` (later calls only return the note again).
+    """
+    from swarm.auth import SECRET_ENV, RunAuth
+
+    access = spec.access
+    if access is None:
+        return None
+    unchecked = access.private and secret is None
+    if membership.auth is None:
+        if unchecked:
+            membership.set_auth(RunAuth(spec.run_id, allow=access.allow, deny=access.deny))
+        else:
+            membership.set_auth(RunAuth.from_spec(spec, secret))
+    if not unchecked:
+        return None
+    return (
+        f"run {spec.run_id!r} is private and no join secret was given: its peer records are shown "
+        f"unchecked (an outsider's may appear); pass --secret-file PATH or set {SECRET_ENV} to check them"
+    )
+
+
+def gather_run_status(
+    membership: Membership, *, spec_timeout_s: float = 5.0, secret: bytes | None = None
+) -> RunStatus:
     """Read everything ``swarm status`` shows about ``membership.run_id``.
 
     The stage count comes from the run's spec (hash-checked, fetched once per ``membership``); if
     no spec can be fetched in ``spec_timeout_s``, from the run's registry entry; if neither exists,
-    ``ConfigError``.
+    ``ConfigError``. The spec's access rules filter the peer records (:func:`apply_access`; a private
+    run's join proofs are checked only with its ``secret``).
     """
     run_id = membership.run_id
     if run_id is None:
@@ -139,6 +170,9 @@ def gather_run_status(membership: Membership, *, spec_timeout_s: float = 5.0) ->
         )
         num_stages, layers = spec.num_stages, [spec.stage_layers(s) for s in range(spec.num_stages)]
         spec_found = True
+        access_note = apply_access(membership, spec, secret)
+        if access_note is not None:
+            notes.append(access_note)
     except ConfigError:
         if not entries:
             raise ConfigError(

@@ -12,15 +12,14 @@ the held-out loss after training is close to the fault-free run's, and no proces
 from __future__ import annotations
 
 import asyncio
-import glob
 import os
 import random
 import signal
-import socket
 import time
 
 import pytest
 
+from swarm import processes
 from swarm.demo import Demo, DemoConfig
 from swarm.metrics import read_metrics
 from swarm.spec import RunSpec
@@ -88,17 +87,7 @@ def remove_stale_sockets() -> int:
     A SIGKILLed process cannot remove its own sockets (tests/conftest.py fails a module that leaves
     any), so after each kill the test cleans up what the victim left; live peers keep theirs.
     """
-    removed = 0
-    for path in glob.glob(glob.escape(os.environ["SWARMPIPE_SOCKET_PREFIX"]) + "*.sock"):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            try:
-                s.connect(path)
-            except ConnectionRefusedError:
-                os.remove(path)
-                removed += 1
-            except OSError:
-                pass
-    return removed
+    return len(processes.remove_stale_sockets(os.environ["SWARMPIPE_SOCKET_PREFIX"]))
 
 
 def live(demo: Demo, stage: int) -> list:

@@ -105,6 +105,7 @@ def test_config_rejects_bad_values_with_the_rule():
         ({"refresh_s": float("nan")}, "refresh_s"),
         ({"history": 1}, "history"),
         ({"run_id": "bad.run"}, "run id"),
+        ({"secret": bytes(32)}, "needs run_id"),
     ):
         with pytest.raises(ConfigError, match=match):
             MonitorConfig(**kwargs)

@@ -21,7 +21,9 @@ from peer.averaging import StageAverager
 from peer.protocol import BACKWARD, FORWARD, INFO, REPORT, BackwardHeader, Report
 from swarm.auth import RunAuth, generate_secret
 from swarm.errors import ConfigError, RequestError
+from swarm.generation import GenerateConfig, generate_async
 from swarm.records import PeerRecord
+from swarm.status import gather_run_status
 from tests.test_fuzz_peer import Node, batch, peer_config, private_spec
 
 pytestmark = pytest.mark.slow
@@ -106,6 +108,18 @@ def test_outsiders_are_refused_and_insiders_train():
             assert insider.membership.rejected >= rejected + 2
             reasons = " ".join(insider.membership.rejected_reasons)
             assert "carries no join proof" in reasons and "not made with this run's secret" in reasons
+
+            # --- `swarm status`: with the secret only insiders are listed; without, all with a note
+            def status_of(key):
+                return gather_run_status(insider.membership.for_run(spec.run_id), secret=key)
+
+            checked = await asyncio.to_thread(status_of, secret)
+            assert {r.peer_id for r in checked.stages[0].peers} == {route[0]} and not checked.notes
+            unchecked = await asyncio.to_thread(status_of, None)
+            assert len(unchecked.stages[0].peers) == 3
+            assert any("private" in n and "--secret-file" in n for n in unchecked.notes)
+            with pytest.raises(ConfigError, match="does not match"):
+                await asyncio.to_thread(status_of, generate_secret())
 
             # --- RPC: every handler refuses, before decoding anything
             tokens, targets = batch(99, spec)
@@ -208,6 +222,24 @@ def test_the_trainer_trains_a_private_run_with_its_secret(tmp_path):
             # the trainer's progress record carries its proof: the owner (checking proofs) sees it
             progress = await asyncio.to_thread(owner.membership.progress)
             assert progress["steps"] >= 12, progress
+
+            # `swarm generate` goes through the same signed requests
+            def gen(key: bytes | None) -> GenerateConfig:
+                return GenerateConfig(
+                    initial_peers=owner.maddrs(),
+                    run_id=spec.run_id,
+                    prompt="ab",
+                    max_new_tokens=3,
+                    temperature=0,
+                    spec_timeout_s=10,
+                    secret=key,
+                )
+
+            with pytest.raises(ConfigError, match="is private"):
+                await generate_async(gen(None))
+            text = await generate_async(gen(secret))
+            assert isinstance(text, str) and text  # 3 sampled bytes, decoded
+            assert all(p.counters["refused_auth"] == 0 for p in peers)
         finally:
             for p in reversed(peers):
                 await p.shutdown()

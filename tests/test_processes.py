@@ -1,5 +1,6 @@
 """Process hygiene of command entry points (swarm/processes.py)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -48,3 +49,32 @@ def test_sigterm_interrupts_a_command_like_ctrl_c():
     code += "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\nexcept KeyboardInterrupt:\n    print('cleaned up')\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "cleaned up"
+
+
+def test_remove_stale_sockets_removes_only_files_nobody_listens_on():
+    import socket
+    import tempfile
+
+    from swarm.processes import remove_stale_sockets
+
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="sp-") as d:  # unix socket paths are short
+        prefix = os.path.join(d, "x-")
+        live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            live.bind(prefix + "p2pd-live.sock")
+            live.listen(1)
+            stale.bind(
+                prefix + "p2pclient-dead.sock"
+            )  # bound, never listened on, closed: like a killed process
+            stale.close()
+            other = os.path.join(d, "y-p2pd-dead.sock")  # another prefix: not ours to touch
+            s2 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s2.bind(other)
+            s2.close()
+            assert remove_stale_sockets(prefix) == [prefix + "p2pclient-dead.sock"]
+            assert sorted(os.listdir(d)) == ["x-p2pd-live.sock", "y-p2pd-dead.sock"]
+            assert remove_stale_sockets(prefix) == []
+        finally:
+            live.close()
+            stale.close()

@@ -17,3 +17,13 @@ def add_initial_peers(p: argparse.ArgumentParser) -> None:
         metavar="MADDR",
         help="any peer of the swarm, e.g. the address printed by `swarm init`",
     )
+
+
+def add_secret_file(p: argparse.ArgumentParser, what: str = "join secret of a private run") -> None:
+    """``--secret-file PATH``: a private run's join secret (``swarm.auth.load_secret`` reads it)."""
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help=f"{what} (default: the SWARMPIPE_SECRET environment variable)",
+    )

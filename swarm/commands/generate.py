@@ -2,6 +2,7 @@
 
 swarm generate --initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID --run demo --prompt "def "
 swarm generate --initial-peers ... --run demo --prompt "import " --max-new-tokens 200 --temperature 0.5
+swarm generate --initial-peers ... --run mine --prompt "def " --secret-file mine.secret   # a private run
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import os
 import sys
 
-from swarm.commands import add_initial_peers
+from swarm.commands import add_initial_peers, add_secret_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,11 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="local tokenizer.json (default: bytes)")
+    add_secret_file(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported
+    from swarm.auth import load_secret
     from swarm.generation import GenerateConfig, generate
 
     cfg = GenerateConfig(
@@ -46,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         tokenizer=args.tokenizer,
+        secret=load_secret(args.secret_file),
     )
     sys.stdout.write(args.prompt)
     sys.stdout.flush()

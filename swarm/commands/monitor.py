@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 
-from swarm.commands import add_initial_peers
+from swarm.commands import add_initial_peers, add_secret_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,11 +48,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--history", type=int, default=2000, metavar="N", help="progress samples kept per run (default 2000)"
     )
     p.add_argument("--no-prometheus", action="store_true", help="do not serve /metrics")
+    add_secret_file(p, "join secret of the private run --run names, to hide outsiders' records")
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
     """The ``MonitorConfig`` these flags describe (raises ``ConfigError`` on bad values)."""
+    from swarm.auth import load_secret
     from swarm.monitor import MonitorConfig
     from swarm.network import DHTConfig
 
@@ -65,6 +67,7 @@ def config_from_args(args: argparse.Namespace):
         refresh_s=args.refresh_s,
         history=args.history,
         prometheus=not args.no_prometheus,
+        secret=load_secret(getattr(args, "secret_file", None)),
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarm.commands import add_initial_peers
+from swarm.commands import add_initial_peers, add_secret_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,11 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--request-timeout", type=float, default=30.0, metavar="S", help="timeout of one call to the next hop"
     )
-    p.add_argument(
-        "--secret-file",
-        metavar="PATH",
-        help="join secret of a private run (default: the SWARMPIPE_SECRET environment variable)",
-    )
+    add_secret_file(p)
     p.set_defaults(func=run)
 
 

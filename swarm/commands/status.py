@@ -2,6 +2,7 @@
 
     swarm status --initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/PEERID --run tiny
     swarm status --initial-peers ... --json          # every run in the registry, as JSON
+    swarm status --initial-peers ... --run mine --secret-file mine.secret   # check a private run's peers
     swarm runs --initial-peers ...
 
 Both join the DHT as a client (they only read), print, and leave.
@@ -13,7 +14,7 @@ import argparse
 import json
 import os
 
-from swarm.commands import add_initial_peers
+from swarm.commands import add_initial_peers, add_secret_file
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -37,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _common(p)
     p.add_argument("--run", default=None, metavar="RUN", help="run id (default: every run in the registry)")
+    add_secret_file(p, "join secret of the private run --run names, to hide outsiders' records")
     p.set_defaults(func=run_status)
     r = subparsers.add_parser(
         "runs",
@@ -57,14 +59,26 @@ def _open(args: argparse.Namespace):
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from swarm.auth import load_secret
+    from swarm.errors import ConfigError
     from swarm.membership import Membership
     from swarm.status import gather_run_status, render_run_status
 
+    secret = load_secret(args.secret_file)
+    if args.secret_file and not args.run:
+        raise ConfigError(
+            f"--secret-file {args.secret_file} needs --run RUN: a join secret belongs to one private run"
+        )
     dht = _open(args)
     try:
         registry = Membership(dht, None)
         run_ids = [args.run] if args.run else sorted({e.run_id for e in registry.list_runs()})
-        statuses = [gather_run_status(registry.for_run(r), spec_timeout_s=args.timeout_s) for r in run_ids]
+        statuses = [
+            gather_run_status(
+                registry.for_run(r), spec_timeout_s=args.timeout_s, secret=secret if args.run else None
+            )
+            for r in run_ids
+        ]
         if args.json:
             print(json.dumps({"runs": [s.to_json() for s in statuses]}, indent=2))
         elif not statuses:

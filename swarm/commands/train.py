@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from swarm.commands import add_initial_peers
+from swarm.commands import add_initial_peers, add_secret_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,12 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="MADDR",
         help="where to listen for peers' reports (default: loopback only)",
     )
-    p.add_argument(
-        "--secret-file",
-        default=None,
-        metavar="PATH",
-        help="join secret of a private run (default: the SWARMPIPE_SECRET environment variable)",
-    )
+    add_secret_file(p)
     p.add_argument("--quiet", action="store_true", help="no progress line and no printed summary")
     p.add_argument(
         "--log",
