@@ -51,21 +51,23 @@ weights of the whole model are held until written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarm.errors import ConfigError, PeerFailure, RecordError, StageUnavailableError
+from swarm.errors import ConfigError, PeerFailure, RecordError, StageUnavailableError, SwarmError
 from swarm.network import DHTConfig
-from swarm.records import check_run_id
+from swarm.records import PeerRecord, check_run_id
 
 if TYPE_CHECKING:
     import hivemind
@@ -73,7 +75,6 @@ if TYPE_CHECKING:
 
     from swarm.membership import Membership
     from swarm.model import StageModule, SwarmModel
-    from swarm.records import PeerRecord
     from swarm.spec import RunSpec
 
 __all__ = [
@@ -129,6 +130,10 @@ class ExportConfig:
     """Seconds one stage's download may take (raise it for large stages on slow links)."""
     overwrite: bool = False
     """Replace an existing export in ``out_dir`` (otherwise refuse to touch it)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """Join secret of a private run (``swarm.auth.load_secret``). In a gated run (private, or with an
+    allow/deny list) peers share state only with ids in the stage lists, so the exporter announces itself
+    there in state ``reading`` (never routed to, not counted by placement) while it downloads."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dht, DHTConfig):
@@ -682,6 +687,55 @@ def download_stage_states(
     return states
 
 
+class _ReaderRecords:
+    """Keeps a ``reading`` record of this exporter in every stage list while it downloads (see
+    ``ExportConfig.secret``); :meth:`stop` replaces them with short-lived ``leaving`` records."""
+
+    PERIOD_S = 5.0
+
+    def __init__(self, membership: Membership, spec: RunSpec):
+        self.membership = membership
+        self.records = [
+            PeerRecord(
+                peer_id=membership.peer_id,
+                run_id=spec.run_id,
+                stage=s,
+                state="reading",
+                throughput=0.0,
+                queue=0,
+                version=0,
+                codecs=(),
+                spec_hash=spec.spec_hash,
+            )
+            for s in range(spec.num_stages)
+        ]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="export-reader-records", daemon=True)
+
+    def _announce(self) -> None:
+        for record in self.records:
+            try:
+                self.membership.announce(record)
+            except SwarmError as e:  # a DHT hiccup: the next period tries again
+                logger.warning("could not announce the exporter's record for stage %d: %s", record.stage, e)
+
+    def start(self) -> _ReaderRecords:
+        self._announce()  # before the first download: peers refresh their authorized ids every second
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            self._announce()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30.0)
+        for record in self.records:
+            with contextlib.suppress(SwarmError):
+                self.membership.announce_leaving(record, expiration_s=self.PERIOD_S)
+
+
 def export_run(cfg: ExportConfig, *, say: Callable[[str], None] | None = None) -> ExportResult:
     """Download, check, assemble and write the run's model (see the module docstring)."""
     from swarm.membership import Membership
@@ -710,9 +764,18 @@ def export_run(cfg: ExportConfig, *, say: Callable[[str], None] | None = None) -
         def progress(state: StageState) -> None:
             say(f"  stage {state.stage}: version {state.version}, step {state.step_count}")
 
-        states = download_stage_states(
-            dht, membership, spec, state_timeout_s=cfg.state_timeout_s, on_stage=progress
-        )
+        from swarm.auth import RunAuth
+
+        auth = RunAuth.from_spec(spec, cfg.secret)  # ConfigError: a private run without its secret
+        membership.set_auth(auth)
+        reader = _ReaderRecords(membership, spec).start() if auth.gated else None
+        try:
+            states = download_stage_states(
+                dht, membership, spec, state_timeout_s=cfg.state_timeout_s, on_stage=progress
+            )
+        finally:
+            if reader is not None:
+                reader.stop()
     finally:
         dht.shutdown()
     notes = check_stage_states(states, max_step_lag=cfg.max_step_lag)

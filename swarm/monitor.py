@@ -623,7 +623,7 @@ tbody.uncovered td { background:#fef2f2; } .warn { color:var(--bad); font-weight
 tr.total td { color:var(--dim); font-size:12px; }
 .state { font-size:12px; font-weight:600; padding:1px 8px; border-radius:9px; }
 .state.online { background:#dcfce7; color:var(--good); } .state.joining { background:#fef9c3; color:#a16207; }
-.state.leaving { background:#e2e8f0; color:#475569; }
+.state.leaving { background:#e2e8f0; color:#475569; } .state.reading { background:#e0f2fe; color:#0369a1; }
 .charts { display:flex; flex-wrap:wrap; gap:12px; margin-bottom:14px; }
 svg.chart { background:var(--card); border:1px solid var(--line); border-radius:8px; max-width:100%; height:auto; }
 svg .chart-title { font-size:13px; font-weight:600; fill:var(--fg); } svg .tick { font-size:11px; fill:var(--dim); }

@@ -84,9 +84,9 @@ REGISTRY_KEY = f"{KEY_PREFIX}_{REGISTRY_FIELD}"
 MAX_STAGES = 256
 # The DHT process dies on values of ~45 KB (shared/HIVEMIND_NOTES.md); a spec is a few hundred bytes.
 MAX_SPEC_BYTES = 16 * 1024
-PEER_STATES = ("joining", "online", "leaving")
+PEER_STATES = ("joining", "online", "leaving", "reading")
 ACTIVE_STATES = frozenset({"joining", "online"})
-PeerState = Literal["joining", "online", "leaving"]
+PeerState = Literal["joining", "online", "leaving", "reading"]
 
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the rule of RunSpec.run_id (swarm/spec.py)
 _LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
@@ -271,7 +271,9 @@ class PeerRecord:
     peer_id: str  # libp2p peer id (base58) of the peer's DHT/P2P identity
     run_id: str
     stage: int
-    state: PeerState  # joining: loading weights; online: serving; leaving: about to go
+    # joining: loading weights; online: serving; leaving: about to go; reading: downloads the stage's
+    # state and serves nothing (``swarm export`` of a gated run: peers share state only with listed ids)
+    state: PeerState
     throughput: float  # tokens/s of forward+backward on this stage, as measured by the peer; finite, >= 0
     queue: int  # requests waiting in the peer's compute queue
     version: int  # local weight version (optimizer steps taken on this stage)

@@ -21,7 +21,9 @@ from peer.averaging import StageAverager
 from peer.protocol import BACKWARD, FORWARD, INFO, REPORT, BackwardHeader, Report
 from swarm.auth import RunAuth, generate_secret
 from swarm.errors import ConfigError, RequestError
+from swarm.export import ExportConfig, export_run, load_model
 from swarm.generation import GenerateConfig, generate_async
+from swarm.network import DHTConfig
 from swarm.records import PeerRecord
 from swarm.status import gather_run_status
 from tests.test_fuzz_peer import Node, batch, peer_config, private_spec
@@ -240,6 +242,28 @@ def test_the_trainer_trains_a_private_run_with_its_secret(tmp_path):
             text = await generate_async(gen(secret))
             assert isinstance(text, str) and text  # 3 sampled bytes, decoded
             assert all(p.counters["refused_auth"] == 0 for p in peers)
+
+            # `swarm export`: peers share state only with listed ids; the exporter lists itself as
+            # "reading" while it downloads (never routed to), and needs the secret to do so
+            def export(key: bytes | None, name: str):
+                cfg = ExportConfig(
+                    dht=DHTConfig(initial_peers=tuple(owner.maddrs()), client_mode=True),
+                    run_id=spec.run_id,
+                    out_dir=str(tmp_path / name),
+                    spec_timeout_s=10,
+                    state_timeout_s=30,
+                    max_step_lag=100,
+                    secret=key,
+                )
+                return export_run(cfg)
+
+            with pytest.raises(ConfigError, match="is private"):
+                await asyncio.to_thread(export, None, "refused")
+            assert not (tmp_path / "refused").exists()
+            result = await asyncio.to_thread(export, secret, "exported")
+            assert [s.version for s in result.stages] == [p.version for p in peers]
+            model = load_model(tmp_path / "exported")
+            assert sum(t.numel() for t in model.state_dict().values()) > 0
         finally:
             for p in reversed(peers):
                 await p.shutdown()

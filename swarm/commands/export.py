@@ -2,6 +2,7 @@
 
     swarm export --initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/PEERID --run tiny --out exports/tiny
     swarm export --initial-peers ... --run tiny --out exports/tiny-hf --format hf
+    swarm export --initial-peers ... --run mine --out exports/mine --secret-file mine.secret   # private run
     python -c "from swarm import load_model; print(load_model('exports/tiny'))"
 
 ``--format hf`` (needs ``pip install transformers``) writes a checkpoint that
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from swarm.commands import add_initial_peers
+from swarm.commands import add_initial_peers, add_secret_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,11 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds to wait for the run's spec (default 30)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing export in --out")
+    add_secret_file(p)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
     """The ``ExportConfig`` these flags describe (raises ``ConfigError`` on bad values)."""
+    from swarm.auth import load_secret
     from swarm.export import ExportConfig
     from swarm.network import DHTConfig
 
@@ -78,6 +81,7 @@ def config_from_args(args: argparse.Namespace):
         max_step_lag=args.max_step_lag,
         spec_timeout_s=args.timeout_s,
         state_timeout_s=args.state_timeout_s,
+        secret=load_secret(getattr(args, "secret_file", None)),
         overwrite=args.force,
     )
 
