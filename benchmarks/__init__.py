@@ -6,5 +6,6 @@
 - ``pipelining_baseline.py``: ``torch.distributed.pipelining`` over gloo, the baseline to beat.
 - ``single_process.py``: the same model trained in one process (the compute-bound limit).
 - ``links.py``: the swarm vs. the baselines over shaped links (throughput, bytes, memory, convergence).
+- ``markdown.py``: each benchmark rewrites only its own section of ``BENCHMARKS.md``.
 - ``subspace_convergence.py``: subspace-constrained models (k = d/32, d/100) vs. the ordinary model.
 """

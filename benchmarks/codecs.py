@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.markdown import MARKDOWN, write_section
 from compression import get_codec
 
 SHAPE = (8, 256, 1024)
@@ -57,7 +58,6 @@ CODEC_SPECS = [
 HIVEMIND_CODECS = ["Float16Compression", "Uniform8BitQuantization", "Quantile8BitQuantization"]
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "codecs.json"
-MARKDOWN = ROOT / "BENCHMARKS.md"
 SECTION = "## Codecs"
 
 
@@ -328,20 +328,6 @@ def main(argv: list[str] | None = None) -> int:
         write_section(markdown(report))
         print(f"updated the Codecs section of {MARKDOWN}")
     return 0
-
-
-def write_section(section: str) -> None:
-    """Replace (or append) the ``## Codecs`` section of BENCHMARKS.md, leaving other sections alone."""
-    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# Benchmarks\n"
-    lines = text.splitlines()
-    if SECTION in lines:
-        start = lines.index(SECTION)
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        lines[start:end] = section.rstrip("\n").splitlines() + ([""] if end < len(lines) else [])
-        text = "\n".join(lines) + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    MARKDOWN.write_text(text)
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.markdown import MARKDOWN, write_section
 from benchmarks.netlab import Lab, LabError, format_rate, lab_unavailable_reason, open_lab
-from benchmarks.pipelining_baseline import ROOT, PipeConfig, _load_spec, run_pipelining
+from benchmarks.pipelining_baseline import ROOT, PipeConfig, _load_spec, peak_rss_bytes, run_pipelining
 from benchmarks.single_process import SingleConfig, run_single
 from swarm.errors import ConfigError, SwarmError
 from swarm.network import SOCKET_PREFIX_ENV
@@ -71,7 +72,6 @@ from swarm.processes import remove_stale_sockets
 __all__ = ["LinksConfig", "Job", "plan", "run_swarm", "analyse", "markdown_section", "main"]
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-MARKDOWN = ROOT / "BENCHMARKS.md"
 SECTION = "## Links"
 _INITIAL = re.compile(r"initial peers: (\S+)")
 _SERVING = re.compile(r"peer (\S+) serving stage (\d+) of run (\S+)")
@@ -378,7 +378,7 @@ class PeakWatcher:
             roots = dict(self._roots)
         for name, pid in roots.items():
             for p in [pid, *_descendants(pid)]:
-                hwm = _vmhwm(p)
+                hwm = peak_rss_bytes(p)
                 if hwm is None:
                     continue
                 self.tree.setdefault(name, {})[p] = max(hwm, self.tree.get(name, {}).get(p, 0))
@@ -402,17 +402,6 @@ class PeakWatcher:
             }
             for name in self._roots
         }
-
-
-def _vmhwm(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _descendants(pid: int) -> list[int]:
@@ -1115,16 +1104,7 @@ def markdown_section(report: dict[str, Any]) -> str:
 
 def write_markdown(section: str, path: Path = MARKDOWN) -> None:
     """Replace (or append) the "Links" section; other sections are left exactly as they are."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = text.rstrip("\n").split("\n")
-    if SECTION in lines:
-        start = lines.index(SECTION)
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        lines[start:end] = section.rstrip("\n").split("\n") + ([""] if end < len(lines) else [])
-        text = "\n".join(lines) + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    path.write_text(text)
+    write_section(section, path)
 
 
 # ----------------------------------------------------------------------------------------- driver

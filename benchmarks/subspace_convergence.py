@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.markdown import MARKDOWN, write_section
 from compression import decode_any, get_codec
 from swarm.model import build_model, lm_loss
 from swarm.spec import RunSpec
@@ -52,7 +53,6 @@ from swarm.subspace import Boundary, make_boundary
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "subspace_convergence.json"
-MARKDOWN = ROOT / "BENCHMARKS.md"
 SECTION = "## Subspace compression"
 MODES: dict[str, dict | None] = {"full": None, "k=d/32": {"ratio": 32}, "k=d/100": {"ratio": 100}}
 BYTE_CODECS = ("none", "fp16", "bf16", "blockwise8")
@@ -469,21 +469,6 @@ def _target_line(full: dict, k32: dict, k100: dict) -> str:
         f"Tokens to the target (first held-out evaluation at or below it; the ordinary model: "
         f"{full['tokens_to_target']:,}): " + "; ".join(parts) + "."
     )
-
-
-def write_section(section: str) -> None:
-    """Replace (or append) the ``## Subspace compression`` section of BENCHMARKS.md, re-reading the file
-    right before writing so that concurrent edits of other sections are kept."""
-    text = MARKDOWN.read_text() if MARKDOWN.exists() else "# Benchmarks\n"
-    lines = text.splitlines()
-    if SECTION in lines:
-        start = lines.index(SECTION)
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        lines[start:end] = section.rstrip("\n").splitlines() + ([""] if end < len(lines) else [])
-        text = "\n".join(lines) + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    MARKDOWN.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
