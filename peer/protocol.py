@@ -71,6 +71,8 @@ __all__ = [
     "BackwardHeader",
     "Report",
     "pack_tokens",
+    "token_width",
+    "TOKEN_WIDTHS",
     "unpack_tokens",
     "to_parts",
     "read_message",
@@ -149,8 +151,10 @@ class ForwardHeader:
     """Header of a ``FORWARD`` message sent to the peer serving ``stage``.
 
     ``route[i]`` is the base58 peer id chosen for stage i; ``trainer`` is the trainer's peer id
-    (reports go there). ``tokens`` and ``targets`` are int32 little-endian bytes of shape
-    ``(batch, seq)`` (``targets`` empty in ``generate`` mode). ``mb_id`` is unique per attempt.
+    (reports go there). ``tokens`` and ``targets`` are little-endian token ids of shape ``(batch, seq)``,
+    1, 2 or 4 bytes each (uint8 / uint16 / int32, the narrowest that holds the run's vocabulary: see
+    :func:`pack_tokens`; both of one width), ``targets`` empty in ``generate`` mode. ``mb_id`` is unique
+    per attempt.
     """
 
     run_id: str
@@ -187,13 +191,20 @@ class ForwardHeader:
             raise RequestError(f"{what}: 'mode' = {mode!r} is not one of {_MODES}")
         batch = _check_int(_get(d, "batch", int, what), "batch", what, 1, 1 << 16)
         seq = _check_int(_get(d, "seq", int, what), "seq", what, 1, 1 << 20)
-        n = batch * seq * 4
         tokens = _get(d, "tokens", bytes, what)
         targets = _get(d, "targets", bytes, what)
-        if len(tokens) != n:
-            raise RequestError(f"{what}: 'tokens' holds {len(tokens)} bytes, expected batch*seq*4 = {n}")
+        widths = [w for w in TOKEN_WIDTHS if len(tokens) == batch * seq * w]
+        if not widths:
+            raise RequestError(
+                f"{what}: 'tokens' holds {len(tokens)} bytes, expected batch*seq*width = {batch}*{seq}*"
+                f"{'|'.join(map(str, TOKEN_WIDTHS))}"
+            )
+        n = batch * seq * widths[0]
         if len(targets) not in ((0, n) if mode == "generate" else (n,)):
-            raise RequestError(f"{what}: 'targets' holds {len(targets)} bytes, expected {n} in mode {mode!r}")
+            raise RequestError(
+                f"{what}: 'targets' holds {len(targets)} bytes, expected {n} (the width of 'tokens') "
+                f"in mode {mode!r}"
+            )
         stage = _check_int(_get(d, "stage", int, what), "stage", what, 0, len(route) - 1)
         sent_at = _get(d, "sent_at", (int, float), what)
         if not math.isfinite(sent_at):
@@ -300,18 +311,48 @@ class Report:
 # --------------------------------------------------------------------------------------------
 
 
-def pack_tokens(tokens: torch.Tensor) -> bytes:
-    """(B, T) integer tensor -> int32 little-endian bytes."""
+TOKEN_WIDTHS = (1, 2, 4)
+"""Bytes per token id on the wire: uint8, uint16 (little-endian), int32 (little-endian)."""
+_TOKEN_DTYPES = {1: "u1", 2: "<u2", 4: "<i4"}
+
+
+def token_width(vocab_size: int | None) -> int:
+    """The narrowest width in :data:`TOKEN_WIDTHS` holding ids ``[0, vocab_size)``; 4 when unknown."""
+    if vocab_size is None or vocab_size > 1 << 16:
+        return 4
+    return 1 if vocab_size <= 1 << 8 else 2
+
+
+def pack_tokens(tokens: torch.Tensor, vocab_size: int | None = None) -> bytes:
+    """(B, T) integer tensor -> little-endian bytes, ``token_width(vocab_size)`` bytes per id.
+
+    Every hop of a route carries a micro-batch's ids (a subspace boundary needs them at every stage), so
+    a byte vocabulary costs 1 byte per id instead of 4. Ids outside ``[0, vocab_size)`` are refused
+    rather than wrapped.
+    """
     if tokens.dim() != 2:
         raise RequestError(f"token ids must have shape (batch, seq), got {tuple(tokens.shape)}")
-    return tokens.detach().to("cpu", torch.int32).contiguous().numpy().astype("<i4").tobytes()
+    t = tokens.detach().to("cpu", torch.int64)
+    if vocab_size is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+        raise RequestError(
+            f"token ids must lie in [0, {vocab_size}) for this run's vocabulary, "
+            f"got min {int(t.min())} max {int(t.max())}"
+        )
+    return t.contiguous().numpy().astype(_TOKEN_DTYPES[token_width(vocab_size)]).tobytes()
 
 
 def unpack_tokens(data: bytes, batch: int, seq: int, vocab_size: int) -> torch.Tensor:
-    """int32 bytes -> (B, T) LongTensor, refusing ids outside ``[0, vocab_size)``."""
-    if len(data) != batch * seq * 4:
-        raise RequestError(f"token bytes: {len(data)} bytes cannot hold ({batch}, {seq}) int32 ids")
-    t = torch.frombuffer(bytearray(data), dtype=torch.int32).view(batch, seq).to(torch.long)
+    """Token bytes of any width in :data:`TOKEN_WIDTHS` -> (B, T) LongTensor, refusing ids outside
+    ``[0, vocab_size)``."""
+    import numpy as np
+
+    width = next((w for w in TOKEN_WIDTHS if len(data) == batch * seq * w), None)
+    if width is None:
+        raise RequestError(
+            f"token bytes: {len(data)} bytes cannot hold ({batch}, {seq}) ids of 1, 2 or 4 bytes"
+        )
+    ids = np.frombuffer(data, dtype=_TOKEN_DTYPES[width]).astype(np.int64)
+    t = torch.from_numpy(ids).view(batch, seq)
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
         raise RequestError(
             f"token ids must lie in [0, {vocab_size}) for this run's vocabulary, "

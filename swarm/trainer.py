@@ -367,8 +367,8 @@ class SwarmLink:
             mode=mode,  # type: ignore[arg-type]
             batch=int(tokens.shape[0]),
             seq=int(tokens.shape[1]),
-            tokens=pack_tokens(tokens),
-            targets=b"" if targets is None else pack_tokens(targets),
+            tokens=pack_tokens(tokens, self.spec.model.vocab_size),
+            targets=b"" if targets is None else pack_tokens(targets, self.spec.model.vocab_size),
         )
         return await call(
             self.p2p, route[0], FORWARD, Message(header.to_wire(), b""), timeout_s=timeout_s, auth=self.auth

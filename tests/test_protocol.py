@@ -16,6 +16,7 @@ from peer.protocol import (
     read_message,
     serve,
     to_parts,
+    token_width,
     unpack_tokens,
 )
 from swarm.errors import PeerFailure, RequestError
@@ -70,6 +71,28 @@ def test_tokens_out_of_vocab_refused():
     with pytest.raises(RequestError, match="vocabulary"):
         unpack_tokens(data, 1, 2, 256)
     assert unpack_tokens(data, 1, 2, 301).tolist() == [[0, 300]]
+    with pytest.raises(RequestError, match=r"\[0, 256\)"):  # never wrapped into a narrower width
+        pack_tokens(torch.tensor([[0, 300]]), 256)
+
+
+@pytest.mark.parametrize("vocab, width", [(2, 1), (256, 1), (257, 2), (65536, 2), (65537, 4), (None, 4)])
+def test_tokens_take_the_narrowest_width_of_the_vocabulary(vocab, width):
+    assert token_width(vocab) == width
+    top = (vocab or 1 << 31) - 1
+    ids = torch.tensor([[0, top, 1], [top // 2, 0, top]])
+    data = pack_tokens(ids, vocab)
+    assert len(data) == ids.numel() * width
+    assert torch.equal(unpack_tokens(data, 2, 3, top + 1), ids)
+
+
+def test_forward_header_accepts_each_width_and_refuses_mixed_widths():
+    tokens = torch.randint(0, 256, (2, 8))
+    for vocab in (256, 1000, None):
+        _, d = _fwd(tokens=pack_tokens(tokens, vocab), targets=pack_tokens(tokens, vocab))
+        assert ForwardHeader.from_wire(d).tokens == pack_tokens(tokens, vocab)
+    _, d = _fwd(tokens=pack_tokens(tokens, 256), targets=pack_tokens(tokens))
+    with pytest.raises(RequestError, match="width of 'tokens'"):
+        ForwardHeader.from_wire(d)
 
 
 def test_report_validation():
