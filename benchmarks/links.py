@@ -15,7 +15,8 @@ a bootstrap node (``swarm init``), one stage peer per stage (``swarm peer --stag
 with tbf at the run's rate, the same for every node.
 
 - throughput: at each rate, the swarm with its default codec (async mode), the subspace-constrained
-  models (``subspace_ratios``, async, coefficients sent with the default codec) and pipelining with the
+  models (``subspace_ratios``, async, coefficients sent with the default codec), the swarm without
+  compression (their reference, async) and pipelining with the
   GPipe and 1F1B schedules; at the ``sweep_rates`` (100mbit, 20mbit) and unshaped also every codec in
   both optimizer modes. Tokens/s = median over windows of ``pipe_n_micro`` micro-batches after warm-up
   (for pipelining a window is one optimizer step), so both sides are measured the same way.
@@ -247,12 +248,13 @@ def plan(cfg: LinksConfig) -> list[Job]:
                     purposes=("throughput", "memory"),
                 )
             )
-        for ratio in (None, *cfg.subspace_ratios):
+        # the default codec, the subspace models, and (their reference) the uncompressed swarm
+        for codec, ratio in ((dc, None), *((dc, r) for r in cfg.subspace_ratios), ("none", None)):
             add(
                 Job(
                     "swarm",
                     rate,
-                    dc,
+                    codec,
                     "async",
                     micro_batches=cfg.throughput_mb,
                     purposes=("throughput",),

@@ -233,13 +233,15 @@ def test_links_plan_covers_the_issue_matrix():
         assert f"swarm blockwise8 async @ {rate}" in names
         assert f"swarm subspace d/32 + blockwise8 async @ {rate}" in names
         assert f"swarm subspace d/100 + blockwise8 async @ {rate}" in names
-    # Every codec in both modes at the unshaped and the sweep rates, only the default codec at 5mbit.
+    # Every codec in both modes at the unshaped and the sweep rates; at 5mbit the default codec, the
+    # subspace models and their uncompressed reference.
     for rate in ("none", "100mbit", "20mbit"):
         assert {
             (j.codec, j.mode) for j in jobs if j.rate == rate and j.kind == "swarm" and not j.subspace
         } == {(c, m) for c in ALL_CODECS for m in modes}
     assert {j.name for j in jobs if j.rate == "5mbit" and j.kind == "swarm"} == {
         "swarm blockwise8 async @ 5mbit",
+        "swarm none async @ 5mbit",
         "swarm subspace d/32 + blockwise8 async @ 5mbit",
         "swarm subspace d/100 + blockwise8 async @ 5mbit",
     }
