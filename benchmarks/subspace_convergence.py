@@ -450,8 +450,9 @@ def reading(report: dict) -> list[str]:
         "Wall time per step (s): "
         + ", ".join(f"{n} {r['s_per_step']:.2f}" for n, r in runs.items())
         + " on a shared machine: compare modes within this run only.",
-        "Not measured here: tokens per second over slow links. The link benchmark (another section of this "
-        "file) will add the swarm's throughput at given link rates with these boundary sizes, which is where "
+        'Not measured here: tokens per second over slow links. The section "Links" of this file measures '
+        "subspace runs of the swarm at several link rates (throughput, bytes on the wire, wall-clock to a "
+        "target loss), which is where "
         f"{full['bytes_per_token']['fp16']['forward'] / k32['bytes_per_token']['fp16']['forward']:.0f}x fewer "
         "bytes per token turn into speed.",
     ]
