@@ -218,8 +218,8 @@ class Demo:
             return summary
         finally:
             self.shutdown()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in (previous or {}).items():
+                signal.signal(sig, handler)
 
     def start(self) -> None:
         """Start the bootstrap and every peer and wait until they are online (tests call this and
@@ -537,12 +537,19 @@ def _kill_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def _sigterm_as_interrupt():
-    """Make SIGTERM raise KeyboardInterrupt in the main thread (so ``finally`` cleans up)."""
+def _sigterm_as_interrupt() -> dict[int, Any] | None:
+    """Make SIGTERM and SIGINT raise KeyboardInterrupt in the main thread (so ``finally`` cleans up);
+    returns the previous handlers (None outside the main thread, where signals cannot be handled).
+
+    SIGINT too: inside ``asyncio.run`` the default Ctrl-C handling first only *cancels* the main task,
+    and a cancellation swallowed anywhere below (Python 3.11's ``asyncio.wait_for`` can lose one when
+    the awaited call finishes at the same moment) would let the demo train on. A handler of our own
+    makes asyncio leave SIGINT alone, and the KeyboardInterrupt always ends the run.
+    """
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
-    return signal.signal(signal.SIGTERM, handler)
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -170,9 +170,6 @@ def gather_run_status(
         )
         num_stages, layers = spec.num_stages, [spec.stage_layers(s) for s in range(spec.num_stages)]
         spec_found = True
-        access_note = apply_access(membership, spec, secret)
-        if access_note is not None:
-            notes.append(access_note)
     except ConfigError:
         if not entries:
             raise ConfigError(
@@ -181,6 +178,11 @@ def gather_run_status(
             ) from None
         num_stages, layers, spec_found = entries[0].num_stages, [None] * entries[0].num_stages, False
         notes.append(f"the spec of run {run_id!r} was not found; stage count taken from the registry")
+        spec = None
+    if spec is not None:  # a wrong secret raises ConfigError here, not "spec not found" above
+        access_note = apply_access(membership, spec, secret)
+        if access_note is not None:
+            notes.append(access_note)
     records = membership.all_stage_records(num_stages)
     stages = tuple(
         StageStatus(stage=s, layers=layers[s], peers=tuple(records[s].values())) for s in range(num_stages)
