@@ -2,7 +2,7 @@
 
 Run (from the repository root, as root for the network lab; ``--loopback`` anywhere)::
 
-    python -m benchmarks.links                 # full run (~90 min on 2 idle cores): results/links.json,
+    python -m benchmarks.links                 # full run (~55 min on 2 idle cores): results/links.json,
                                                # plots, and the "Links" section of BENCHMARKS.md
     python -m benchmarks.links --quick         # small model, 11 runs: 4 min on 2 cores (mostly start-up)
     python -m benchmarks.links --render links  # rewrite the Links section from results/links.json
