@@ -4,7 +4,7 @@ Run (from the repository root, as root for the network lab; ``--loopback`` anywh
 
     python -m benchmarks.links                 # full run (~55 min on 2 idle cores): results/links.json,
                                                # plots, and the "Links" section of BENCHMARKS.md
-    python -m benchmarks.links --quick         # small model, 11 runs: 4 min on 2 cores (mostly start-up)
+    python -m benchmarks.links --quick         # small model, 12 runs: 4 min on 2 cores (mostly start-up)
     python -m benchmarks.links --render links  # rewrite the Links section from results/links.json
     python -m benchmarks.links --loopback      # no namespaces, no rate limits (not root)
     python -m benchmarks.links --plan          # print what would run, run nothing
@@ -1270,7 +1270,7 @@ def _run_job(
 
 def quick_config(**kw: Any) -> LinksConfig:
     """``--quick``: the bench model at 1/4 width and half depth; codecs none and blockwise8 and the d/32
-    subspace model (both modes, unshaped), rates none and 5mbit, 1F1B only, one single-process run: 11
+    subspace model (both modes, unshaped), rates none and 5mbit, 1F1B only, one single-process run: 12
     runs, most of their time is process start-up."""
     base = {
         "model_overrides": dict(QUICK_MODEL),
