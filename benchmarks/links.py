@@ -69,7 +69,7 @@ from benchmarks.pipelining_baseline import ROOT, PipeConfig, _load_spec, peak_rs
 from benchmarks.single_process import SingleConfig, run_single
 from swarm.errors import ConfigError, SwarmError
 from swarm.network import SOCKET_PREFIX_ENV
-from swarm.processes import remove_stale_sockets
+from swarm.processes import child_socket_prefix, remove_stale_sockets
 
 __all__ = ["LinksConfig", "Job", "plan", "run_swarm", "analyse", "markdown_section", "main"]
 
@@ -445,11 +445,9 @@ def _wait_for(
 
 
 def socket_prefix() -> str:
-    """The hivemind socket-file prefix of this benchmark's swarm processes (under the caller's
-    ``SWARMPIPE_SOCKET_PREFIX`` if set): what processes stopped with SIGKILL leave is removed after each
-    run (:func:`swarm.processes.remove_stale_sockets`), and only that."""
-    base = os.environ.get(SOCKET_PREFIX_ENV) or "/tmp/swarmpipe-"
-    return f"{base}links{os.getpid()}-"
+    """The hivemind socket-file prefix of this benchmark's swarm processes: what processes stopped with
+    SIGKILL leave is removed after each run (:func:`swarm.processes.remove_stale_sockets`), and only that."""
+    return child_socket_prefix("links")
 
 
 def start_bootstrap(lab: Lab, node: str, work: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:

@@ -40,7 +40,7 @@ from typing import IO, Any
 
 from swarm.errors import ConfigError, SwarmError
 from swarm.network import SOCKET_PREFIX_ENV
-from swarm.processes import remove_stale_sockets
+from swarm.processes import child_socket_prefix, remove_stale_sockets, terminate_as_interrupt
 
 __all__ = ["DemoConfig", "Demo", "PeerProcess", "demo_spec", "DEFAULT_DEMO_SPEC"]
 
@@ -184,9 +184,8 @@ class Demo:
         self.chaos_log: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._boot_thread: threading.Thread | None = None
-        self.socket_prefix = _demo_socket_prefix()
+        self.socket_prefix = child_socket_prefix("demo")
         """Prefix of the peers' hivemind socket files (see :meth:`shutdown`)."""
-        self.stale_sockets_removed: list[str] = []
 
     # ---- output ---------------------------------------------------------------------------------
 
@@ -203,7 +202,7 @@ class Demo:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        previous = _sigterm_as_interrupt()
+        previous = terminate_as_interrupt((signal.SIGTERM, signal.SIGINT))  # Ctrl-C: see its docstring
         try:
             self.say(
                 f"swarm demo: run {spec.run_id!r} ({spec.n_params() / 1e6:.2f}M parameters, {spec.num_stages} stages "
@@ -218,7 +217,7 @@ class Demo:
             return summary
         finally:
             self.shutdown()
-            for sig, handler in (previous or {}).items():
+            for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
     def start(self) -> None:
@@ -493,7 +492,7 @@ class Demo:
         if self.boot is not None:
             self.boot.close()
         # A SIGKILLed peer (chaos, or one that outlived the grace period) leaves its socket files.
-        self.stale_sockets_removed += remove_stale_sockets(self.socket_prefix)
+        remove_stale_sockets(self.socket_prefix)
 
     def leftovers(self) -> list[int]:
         """Live processes (not zombies) in the process groups this demo created; empty after
@@ -525,31 +524,6 @@ class Demo:
         return alive
 
 
-def _demo_socket_prefix() -> str:
-    """A socket-file prefix of this demo's own (under the caller's ``SWARMPIPE_SOCKET_PREFIX`` if set, so
-    the test suite still sees the files): the demo removes what its killed peers leave, and only that."""
-    base = os.environ.get(SOCKET_PREFIX_ENV) or "/tmp/swarmpipe-"
-    return f"{base}demo{os.getpid()}-"
-
-
 def _kill_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-
-
-def _sigterm_as_interrupt() -> dict[int, Any] | None:
-    """Make SIGTERM and SIGINT raise KeyboardInterrupt in the main thread (so ``finally`` cleans up);
-    returns the previous handlers (None outside the main thread, where signals cannot be handled).
-
-    SIGINT too: inside ``asyncio.run`` the default Ctrl-C handling first only *cancels* the main task,
-    and a cancellation swallowed anywhere below (Python 3.11's ``asyncio.wait_for`` can lose one when
-    the awaited call finishes at the same moment) would let the demo train on. A handler of our own
-    makes asyncio leave SIGINT alone, and the KeyboardInterrupt always ends the run.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -20,11 +20,13 @@ import os
 import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable, Iterable
 from types import FrameType
 
 import psutil
 
-__all__ = ["reap_children", "remove_stale_sockets", "terminate_as_interrupt"]
+__all__ = ["child_socket_prefix", "reap_children", "remove_stale_sockets", "terminate_as_interrupt"]
 
 # torch's shared-memory manager exits on its own when its parent does.
 _SELF_EXITING = ("torch_shm_manager",)
@@ -52,6 +54,16 @@ def reap_children(grace_s: float = 5.0) -> list[str]:
     return killed
 
 
+def child_socket_prefix(tag: str) -> str:
+    """A hivemind socket-file prefix for the processes this one starts (``SWARMPIPE_SOCKET_PREFIX`` of their
+    environment), under this process's own prefix if it has one, so that a test session still sees
+    the files: the starter can then :func:`remove_stale_sockets` of what it killed, and only that."""
+    from swarm.network import SOCKET_PREFIX_ENV
+
+    base = os.environ.get(SOCKET_PREFIX_ENV) or "/tmp/swarmpipe-"
+    return f"{base}{tag}{os.getpid()}-"
+
+
 def remove_stale_sockets(prefix: str) -> list[str]:
     """Remove the ``PREFIX*.sock`` files that nobody listens on any more; return their paths.
 
@@ -76,14 +88,22 @@ def remove_stale_sockets(prefix: str) -> list[str]:
     return removed
 
 
-def terminate_as_interrupt() -> None:
-    """Make SIGTERM behave like Ctrl-C (``KeyboardInterrupt``), so ``finally`` blocks shut down cleanly.
+def terminate_as_interrupt(
+    signals: Iterable[signal.Signals] = (signal.SIGTERM,),
+) -> dict[int, Callable[..., object] | int | None]:
+    """Make ``signals`` (default SIGTERM) raise ``KeyboardInterrupt``, so ``finally`` blocks shut down
+    cleanly; returns the previous handlers, to restore with ``signal.signal``. Does nothing (returns {})
+    outside the main thread, where Python cannot handle signals, and on Windows.
 
-    Commands that install their own asyncio signal handlers override this while they run.
+    Commands that install their own asyncio signal handlers override this while they run. Passing
+    SIGINT as well makes ``asyncio.run`` leave Ctrl-C alone: its own handling first only *cancels* the
+    main task, and a cancellation swallowed anywhere below (Python 3.11's ``asyncio.wait_for`` can
+    lose one when the awaited call finishes at the same moment) would let the program go on.
     """
 
     def _handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
-    if sys.platform != "win32":
-        signal.signal(signal.SIGTERM, _handler)
+    if sys.platform == "win32" or threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _handler) for sig in signals}
