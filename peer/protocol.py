@@ -193,13 +193,13 @@ class ForwardHeader:
         seq = _check_int(_get(d, "seq", int, what), "seq", what, 1, 1 << 20)
         tokens = _get(d, "tokens", bytes, what)
         targets = _get(d, "targets", bytes, what)
-        widths = [w for w in TOKEN_WIDTHS if len(tokens) == batch * seq * w]
-        if not widths:
+        width = _width_of(tokens, batch, seq)
+        if width is None:
             raise RequestError(
                 f"{what}: 'tokens' holds {len(tokens)} bytes, expected batch*seq*width = {batch}*{seq}*"
                 f"{'|'.join(map(str, TOKEN_WIDTHS))}"
             )
-        n = batch * seq * widths[0]
+        n = batch * seq * width
         if len(targets) not in ((0, n) if mode == "generate" else (n,)):
             raise RequestError(
                 f"{what}: 'targets' holds {len(targets)} bytes, expected {n} (the width of 'tokens') "
@@ -323,6 +323,19 @@ def token_width(vocab_size: int | None) -> int:
     return 1 if vocab_size <= 1 << 8 else 2
 
 
+def _width_of(data: bytes, batch: int, seq: int) -> int | None:
+    """The width in :data:`TOKEN_WIDTHS` of ``(batch, seq)`` ids held in ``data``; None if none fits."""
+    return next((w for w in TOKEN_WIDTHS if len(data) == batch * seq * w), None)
+
+
+def _check_vocab(t: torch.Tensor, vocab_size: int) -> None:
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+        raise RequestError(
+            f"token ids must lie in [0, {vocab_size}) for this run's vocabulary, "
+            f"got min {int(t.min())} max {int(t.max())}"
+        )
+
+
 def pack_tokens(tokens: torch.Tensor, vocab_size: int | None = None) -> bytes:
     """(B, T) integer tensor -> little-endian bytes, ``token_width(vocab_size)`` bytes per id.
 
@@ -333,11 +346,8 @@ def pack_tokens(tokens: torch.Tensor, vocab_size: int | None = None) -> bytes:
     if tokens.dim() != 2:
         raise RequestError(f"token ids must have shape (batch, seq), got {tuple(tokens.shape)}")
     t = tokens.detach().to("cpu", torch.int64)
-    if vocab_size is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
-        raise RequestError(
-            f"token ids must lie in [0, {vocab_size}) for this run's vocabulary, "
-            f"got min {int(t.min())} max {int(t.max())}"
-        )
+    if vocab_size is not None:
+        _check_vocab(t, vocab_size)
     return t.contiguous().numpy().astype(_TOKEN_DTYPES[token_width(vocab_size)]).tobytes()
 
 
@@ -346,18 +356,14 @@ def unpack_tokens(data: bytes, batch: int, seq: int, vocab_size: int) -> torch.T
     ``[0, vocab_size)``."""
     import numpy as np
 
-    width = next((w for w in TOKEN_WIDTHS if len(data) == batch * seq * w), None)
+    width = _width_of(data, batch, seq)
     if width is None:
         raise RequestError(
             f"token bytes: {len(data)} bytes cannot hold ({batch}, {seq}) ids of 1, 2 or 4 bytes"
         )
     ids = np.frombuffer(data, dtype=_TOKEN_DTYPES[width]).astype(np.int64)
     t = torch.from_numpy(ids).view(batch, seq)
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
-        raise RequestError(
-            f"token ids must lie in [0, {vocab_size}) for this run's vocabulary, "
-            f"got min {int(t.min())} max {int(t.max())}"
-        )
+    _check_vocab(t, vocab_size)
     return t
 
 
