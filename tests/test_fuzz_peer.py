@@ -49,6 +49,7 @@ from swarm.errors import RequestError
 from swarm.membership import Membership
 from swarm.network import DHTConfig, start_dht, visible_maddrs
 from swarm.spec import RunSpec
+from tests.test_peer_pipeline import peer_config as pipeline_peer_config
 
 MAX_PAYLOAD = 64 << 10  # the peer's cap: an oversized payload is cheap to declare
 
@@ -143,21 +144,8 @@ class Node:
 
 
 def peer_config(node: Node, stage, secret, **kw) -> PeerConfig:
-    base = dict(
-        initial_peers=node.maddrs(),
-        run_id=node.spec.run_id,
-        stage=stage,
-        device="cpu",
-        throughput=1000.0,
-        announce_period_s=0.5,
-        spec_timeout_s=10,
-        request_timeout_s=10,
-        state_timeout_s=10,
-        averaging_matchmaking_s=1.0,
-        drain_timeout_s=5,
-        secret=secret,
-    )
-    return PeerConfig(**(base | kw))
+    """The pipeline tests' fast peer settings, with this run's join secret."""
+    return pipeline_peer_config(node, stage, secret=secret, **kw)
 
 
 def batch(seed: int, spec: RunSpec):
