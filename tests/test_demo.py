@@ -3,6 +3,7 @@ no process behind, also when interrupted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -92,6 +93,7 @@ def test_demo_interrupted_by_sigint_cleans_up(tmp_path):
     out = tmp_path / "demo"
     proc = start_demo(out, "--steps", "100000", "--peers-per-stage", "1")
     lines = []
+    peer_pids: set[int] = set()
     try:
         deadline = time.monotonic() + 180
         for line in proc.stdout:  # wait until training is under way (the first progress line)
@@ -107,6 +109,9 @@ def test_demo_interrupted_by_sigint_cleans_up(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            for pid in peer_pids:  # each peer leads a process group of its own: a killed demo orphans them
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert wait_gone({proc.pid} | peer_pids) == [], "processes left behind after Ctrl-C"
     assert read_metrics(out / "metrics.jsonl", "event")  # the trainer started writing before the interrupt
