@@ -1,4 +1,5 @@
-"""The stage peer's local optimizer: gradient accumulation, clipping, LR schedule, AdamW or delay-aware Nesterov.
+"""The stage peer's local optimizer: gradient accumulation, clipping, LR schedule, AdamW, delay-aware
+Nesterov or Muon.
 
 Why not ``torch.optim``: weight stashing needs every update to produce *new* parameter tensors (an
 in-flight backward still reads the old ones, and a kept autograd graph must not see its leaves
@@ -23,6 +24,38 @@ measured staleness (versions elapsed between a micro-batch's forward and its bac
 ``tau = 0`` this is exactly NAG in its look-ahead form. The update itself is heavy-ball momentum on
 the base parameters: ``v <- mu v - lr (g + wd * params)``; ``params <- params + v``.
 
+Muon (note "muon")
+------------------
+``name: muon`` (Jordan et al. 2024, "Muon: MomentUm Orthogonalized by Newton-schulz") updates the 2-D
+weight matrices of the transformer blocks (:func:`is_muon_matrix`) and leaves everything else
+(embedding, LM head, norms, anything not 2-D) to the AdamW code above, with ``lr`` and ``betas``. Per
+matrix ``W`` (rows x cols) with gradient ``G`` and momentum ``mu`` (``muon_momentum``)::
+
+    M <- mu M + (1 - mu) G                 # the slot "muon_momentum" (an EMA, at gradient scale)
+    U  = (1 - mu) G + mu M                 # Nesterov form
+    O  = NS5(U)                            # ~ the orthogonal factor U V^T of U's SVD
+    W <- W (1 - lr_m wd) - lr_m * 0.2 sqrt(max(rows, cols)) * O
+
+NS5 is five steps of the quintic Newton-Schulz iteration with Jordan's coefficients (3.4445, -4.7750,
+2.0315) on ``U / ||U||_F``, done on the wide orientation (rows <= cols); it pushes the singular values
+into about 0.68..1.13 rather than exactly to 1, which is all the method needs. It runs in bfloat16 on
+CUDA (as Jordan's code) and in float32 elsewhere (CPUs have slow bf16 matmuls).
+
+Scale convention: ``0.2 sqrt(max(rows, cols))`` (Liu et al. 2025, "Muon is Scalable for LLM
+Training") makes the update's RMS 0.2 per element for every shape, about the RMS of an AdamW update,
+so ``muon_lr`` is on AdamW's scale (and defaults to ``lr``) instead of Jordan's ``max(1, rows/cols)^0.5``
+with its own lr around 0.02 (0.02 there is about 0.009 here for square matrices). ``lr_m`` follows the
+same warmup and schedule as ``lr`` (``OptimizerConfig.muon_lr_at``).
+
+Subspace models (swarm/subspace.py): a ``SubspaceLinear``'s trained parameter is ``coef`` = A in
+W = U A, and since U has orthonormal columns, orthogonalising A's gradient (``U^T dL/dW``) gives the
+same update of W as orthogonalising dL/dW projected into span(U); so ``coef`` inside a block is a
+matrix like any other. The ``SubspaceEmbedding``'s ``coef`` is an embedding and stays with AdamW.
+
+Slots exist for some parameters only: AdamW's ``exp_avg``/``exp_avg_sq`` for the AdamW part, and
+``muon_momentum`` for the matrices. :meth:`StageOptimizer.state_names` lists each slot's parameters in
+parameter order, so ``adamw`` and ``nesterov`` keep exactly the layout they always had.
+
 Accumulation: gradients of ``accumulate`` micro-batches are summed and then averaged at the step
 (the count is taken at backward completion). Clipping is by the global norm of the stage's averaged
 gradient. Learning rate: ``OptimizerConfig.lr_at(step)`` (constant or cosine with warmup).
@@ -37,11 +70,42 @@ import torch
 
 from swarm.spec import OptimizerConfig
 
-__all__ = ["StageOptimizer", "lookahead_coefficient"]
+__all__ = ["StageOptimizer", "is_muon_matrix", "lookahead_coefficient", "newton_schulz"]
 
 Params = dict[str, torch.Tensor]
 _ADAM_EPS = 1e-8
 _STALENESS_EMA = 0.9  # weight of the old staleness estimate per backward
+_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic (note "muon")
+_NS_STEPS = 5
+_NS_EPS = 1e-7
+_MUON_RMS = 0.2  # per-element RMS of a Muon update before lr: an AdamW update's (note "muon")
+
+
+def is_muon_matrix(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
+    """Whether Muon updates parameter ``name``: a 2-D weight inside a transformer block (``layers.*``).
+
+    Embedding (``embed.*``), LM head (``head.*``), norms and anything not 2-D go to AdamW.
+    """
+    return name.startswith("layers.") and len(shape) == 2
+
+
+def newton_schulz(g: torch.Tensor, steps: int = _NS_STEPS) -> torch.Tensor:
+    """An approximate orthogonal factor of the 2-D ``g`` (quintic Newton-Schulz, note "muon"); new tensor.
+
+    Float32 result; the iteration runs in bfloat16 on CUDA, float32 elsewhere.
+    """
+    a, b, c = _NS_COEFFICIENTS
+    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.mT  # work on the wide orientation: x @ x^T is the small (rows, rows) Gram matrix
+    x = x / (x.norm() + _NS_EPS)  # singular values into [0, 1], where the iteration converges
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    if tall:
+        x = x.mT
+    return x.float()
 
 
 def lookahead_coefficient(momentum: float, staleness: float) -> float:
@@ -69,13 +133,22 @@ class StageOptimizer:
         self.staleness = 0.0  # EMA of versions elapsed between forward and backward
         self.last_grad_norm = 0.0
         self.clipped_steps = 0
-        if cfg.name == "adamw":
-            self.state: dict[str, Params] = {
-                "exp_avg": {n: torch.zeros_like(p) for n, p in self.params.items()},
-                "exp_avg_sq": {n: torch.zeros_like(p) for n, p in self.params.items()},
-            }
+        # The parameters Muon updates; empty for adamw and nesterov.
+        self.matrices = (
+            [n for n, p in self.params.items() if is_muon_matrix(n, p.shape)] if cfg.name == "muon" else []
+        )
+        muon = frozenset(self.matrices)
+        adam = [n for n in self.names if n not in muon]
+        slots: dict[str, list[str]]  # slot -> the parameters that have it, in parameter order
+        if cfg.name == "nesterov":
+            slots = {"velocity": self.names}
         else:
-            self.state = {"velocity": {n: torch.zeros_like(p) for n, p in self.params.items()}}
+            slots = {"exp_avg": adam, "exp_avg_sq": adam}
+            if self.matrices:
+                slots["muon_momentum"] = self.matrices
+        self.state: dict[str, Params] = {
+            slot: {n: torch.zeros_like(self.params[n]) for n in names} for slot, names in slots.items()
+        }
         self._served = self._compute_served()
 
     # ---- gradients ----------------------------------------------------------------------------
@@ -115,10 +188,12 @@ class StageOptimizer:
             grads = {n: g * scale for n, g in grads.items()}
             self.clipped_steps += 1
         lr = self.cfg.lr_at(self.step_count)
-        if self.cfg.name == "adamw":
-            self._adamw(grads, lr)
-        else:
+        if self.cfg.name == "nesterov":
             self._nesterov(grads, lr)
+        else:
+            self._adamw(grads, lr)  # every parameter of adamw; the non-matrices of muon
+            if self.matrices:
+                self._muon(grads, self.cfg.muon_lr_at(self.step_count))
         self.step_count += 1
         self.zero_grad()
         self._served = self._compute_served()
@@ -129,15 +204,28 @@ class StageOptimizer:
         t = self.step_count + 1
         bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
         wd = self.cfg.weight_decay
-        new = {}
-        for n, p in self.params.items():
-            m, v, g = self.state["exp_avg"][n], self.state["exp_avg_sq"][n], grads[n]
+        new = dict(self.params)
+        for n in self.state["exp_avg"]:
+            p, m, v, g = self.params[n], self.state["exp_avg"][n], self.state["exp_avg_sq"][n], grads[n]
             m.mul_(beta1).add_(g, alpha=1.0 - beta1)  # moments are private: in place is safe
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             denom = (v / bc2).sqrt_().add_(_ADAM_EPS)
             # decoupled weight decay, as torch.optim.AdamW: p <- p * (1 - lr * wd) - lr * m_hat / denom
             base = p * (1.0 - lr * wd) if wd else p
             new[n] = base.addcdiv(m, denom, value=-lr / bc1)  # out of place: a new tensor
+        self.params = new
+
+    def _muon(self, grads: Params, lr: float) -> None:
+        """Muon on ``self.matrices`` (note "muon"); new parameter tensors, momentum updated in place."""
+        mu, wd = self.cfg.muon_beta, self.cfg.weight_decay
+        new = dict(self.params)
+        for n in self.matrices:
+            p, m, g = self.params[n], self.state["muon_momentum"][n], grads[n]
+            m.lerp_(g, 1.0 - mu)  # private slot: in place is safe
+            update = newton_schulz(g.lerp(m, mu))  # Nesterov: (1 - mu) g + mu m; (rows, cols)
+            scale = _MUON_RMS * math.sqrt(max(p.shape))
+            base = p * (1.0 - lr * wd) if wd else p
+            new[n] = base.add(update, alpha=-lr * scale)  # out of place: a new tensor
         self.params = new
 
     def _nesterov(self, grads: Params, lr: float) -> None:
@@ -151,7 +239,7 @@ class StageOptimizer:
         self.params = new
 
     def _compute_served(self) -> Params:
-        if self.cfg.name == "adamw":
+        if self.cfg.name != "nesterov":
             return self.params
         c = lookahead_coefficient(self.cfg.momentum, self.staleness)
         vel = self.state["velocity"]
@@ -180,36 +268,31 @@ class StageOptimizer:
         k = len(self.names)
         device = next(iter(self.params.values())).device
         self.params = {n: self.params[n] + deltas[i].to(device) for i, n in enumerate(self.names)}
-        for j, slot in enumerate(sorted(self.state)):
-            for i, n in enumerate(self.names):
-                idx = (j + 1) * k + i
-                t = self.state[slot][n]
-                if slot != "exp_avg_sq":
-                    t.add_(deltas[idx].to(device))
-                    continue
-                floor = (
-                    torch.zeros_like(t) if averaged is None else torch.minimum(t, averaged[idx].to(device))
-                )
+        for idx, (slot, n) in enumerate(self._slot_layout(), start=k):
+            t = self.state[slot][n]
+            if slot != "exp_avg_sq":
                 t.add_(deltas[idx].to(device))
-                torch.maximum(t, floor.clamp_(min=0.0), out=t)
+                continue
+            floor = torch.zeros_like(t) if averaged is None else torch.minimum(t, averaged[idx].to(device))
+            t.add_(deltas[idx].to(device))
+            torch.maximum(t, floor.clamp_(min=0.0), out=t)
         self._served = self._compute_served()
         return self._served
 
     # ---- state for checkpoints, downloads and averaging --------------------------------------
 
+    def _slot_layout(self) -> list[tuple[str, str]]:
+        """``(slot, parameter)`` pairs after the parameters: slots sorted, each in parameter order."""
+        return [(slot, n) for slot in sorted(self.state) for n in self.names if n in self.state[slot]]
+
     def state_names(self) -> list[str]:
-        """Names of :meth:`state_tensors`, in order: ``param/<name>`` then ``<slot>/<name>``."""
-        out = [f"param/{n}" for n in self.names]
-        for slot in sorted(self.state):
-            out += [f"{slot}/{n}" for n in self.names]
-        return out
+        """Names of :meth:`state_tensors`, in order: ``param/<name>`` for every parameter, then
+        ``<slot>/<name>`` for each slot (sorted) and each parameter that has it (note "muon")."""
+        return [f"param/{n}" for n in self.names] + [f"{slot}/{n}" for slot, n in self._slot_layout()]
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Base parameters and optimizer slots, in :meth:`state_names` order (live references)."""
-        out = [self.params[n] for n in self.names]
-        for slot in sorted(self.state):
-            out += [self.state[slot][n] for n in self.names]
-        return out
+        return [self.params[n] for n in self.names] + [self.state[s][n] for s, n in self._slot_layout()]
 
     def metadata(self) -> dict[str, Any]:
         return {"step_count": self.step_count, "staleness": self.staleness, "optimizer": self.cfg.name}
@@ -240,12 +323,10 @@ class StageOptimizer:
         self.params = {
             n: tensors[i].detach().to(device, torch.float32).clone() for i, n in enumerate(self.names)
         }
-        for j, slot in enumerate(sorted(self.state)):
-            block = tensors[(j + 1) * k : (j + 2) * k]
-            self.state[slot] = {
-                n: t.detach().to(device, torch.float32).clone()
-                for n, t in zip(self.names, block, strict=True)
-            }
+        state: dict[str, Params] = {slot: {} for slot in self.state}
+        for (slot, n), t in zip(self._slot_layout(), tensors[k:], strict=True):
+            state[slot][n] = t.detach().to(device, torch.float32).clone()
+        self.state = state
         self.step_count = int(meta.get("step_count", 0))
         self.staleness = float(meta.get("staleness", 0.0))
         self.zero_grad()

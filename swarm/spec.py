@@ -74,7 +74,9 @@ MAX_MICRO_BATCH = 1 << 16
 MAX_VERSIONS_CAP = 64
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-OPTIMIZERS = ("adamw", "nesterov")
+OPTIMIZERS = ("adamw", "nesterov", "muon")
+MUON_MOMENTUM = 0.95
+"""Muon's momentum when ``optimizer.muon_momentum`` is left out (the value of the Muon paper and code)."""
 SCHEDULES = ("constant", "cosine")
 MODES = ("async", "sync")
 AUTOCAST_CHOICES = ("auto", "none", "bf16", "fp16")
@@ -431,9 +433,17 @@ class OptimizerConfig:
     _SECTION: ClassVar[str] = "optimizer"
 
     name: str = "adamw"
-    """``adamw`` or ``nesterov`` (SGD with Nesterov momentum, which tolerates stale gradients well)."""
+    """``adamw``; ``nesterov`` (SGD with delay-aware Nesterov momentum); or ``muon`` (Muon on the 2-D
+    weight matrices of the transformer blocks, AdamW on embeddings, head and norms; see
+    peer/optimizer.py)."""
     lr: float = 3e-3
-    """Peak learning rate (reached after warmup)."""
+    """Peak learning rate (reached after warmup); with ``muon``, that of the AdamW part."""
+    muon_lr: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """Peak learning rate of Muon's matrices (``muon`` only; follows the same warmup and schedule as
+    ``lr``); None = ``lr``. Muon's update is scaled to the RMS of an AdamW update (0.2 per element), so
+    the two lrs are comparable; Muon tolerates a few times AdamW's lr. Lower it if the loss spikes."""
+    muon_momentum: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """Muon's momentum (Nesterov form; ``muon`` only); None = MUON_MOMENTUM (0.95)."""
     schedule: str = "constant"
     """``constant`` (after warmup) or ``cosine`` (decays to min_lr_ratio * lr at total_steps)."""
     warmup_steps: int = 0
@@ -443,11 +453,13 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     """Cosine floor as a fraction of lr."""
     weight_decay: float = 0.0
-    """Decoupled weight decay (adamw) or L2 decay (nesterov); 0 disables it."""
+    """Decoupled weight decay (adamw and both parts of muon, each times its own lr) or L2 decay
+    (nesterov); 0 disables it."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas (beta1, beta2)."""
+    """AdamW betas (beta1, beta2); with ``muon``, those of the AdamW part."""
     momentum: float = 0.9
-    """Nesterov momentum; ignored by adamw. Values near 0.99 overshoot on tiny runs."""
+    """Momentum of ``nesterov``; ignored by adamw and muon (muon has ``muon_momentum``). Values near 0.99
+    overshoot on tiny runs."""
     accumulate: int = 1
     """Micro-batches whose gradients are summed into one optimizer step of a stage peer."""
     clip_norm: float | None = 1.0
@@ -471,6 +483,30 @@ class OptimizerConfig:
                 f"{s}.lr", self.lr, gt=0.0, le=10.0, hint="Use a learning rate such as 3e-3 (adamw)."
             ),
         )
+        if self.muon_lr is not None:
+            _set(
+                self,
+                "muon_lr",
+                _check_float(
+                    f"{s}.muon_lr",
+                    self.muon_lr,
+                    gt=0.0,
+                    le=10.0,
+                    hint="Use a learning rate such as 0.01, or leave it out to use optimizer.lr.",
+                ),
+            )
+        if self.muon_momentum is not None:
+            _set(
+                self,
+                "muon_momentum",
+                _check_float(
+                    f"{s}.muon_momentum",
+                    self.muon_momentum,
+                    ge=0.0,
+                    lt=1.0,
+                    hint=f"Use a value in [0, 1) such as {MUON_MOMENTUM}, or leave it out.",
+                ),
+            )
         _check_choice(f"{s}.schedule", self.schedule, SCHEDULES)
         _check_int(f"{s}.warmup_steps", self.warmup_steps, lo=0, hint="Use 0 for no warmup, or a step count.")
         if self.total_steps is not None:
@@ -567,6 +603,16 @@ class OptimizerConfig:
         progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         floor = self.lr * self.min_lr_ratio
         return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def muon_lr_at(self, step: int) -> float:
+        """Muon's learning rate for step ``step``: ``lr_at(step)`` scaled by ``muon_lr / lr``."""
+        scale = 1.0 if self.muon_lr is None else self.muon_lr / self.lr
+        return self.lr_at(step) * scale
+
+    @property
+    def muon_beta(self) -> float:
+        """Muon's momentum in effect (``muon_momentum``, or MUON_MOMENTUM when left out)."""
+        return MUON_MOMENTUM if self.muon_momentum is None else self.muon_momentum
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -215,3 +215,196 @@ def test_backward_after_a_step_uses_the_stashed_weights(recompute):
     out1 = ref(x_a.clone().requires_grad_(True))
     g1 = torch.autograd.grad(out1, list(dict(ref.named_parameters()).values()), grad_outputs=g_a)
     assert max(float((a - b).abs().max()) for a, b in zip(g1, grads[1:], strict=True)) > 1e-4
+
+
+# ---- muon ----------------------------------------------------------------------------------------
+
+MUON_SHAPES = {
+    "embed.weight": (7, 4),  # 2-D but an embedding: AdamW
+    "layers.0.attn_norm.weight": (4,),  # a norm: AdamW
+    "layers.0.attn.qkv.weight": (6, 4),  # tall block matrix: Muon
+    "layers.0.ffn.down.weight": (4, 5),  # wide block matrix: Muon
+    "head.weight": (7, 4),  # the LM head: AdamW
+}
+MUON_MATRICES = ["layers.0.attn.qkv.weight", "layers.0.ffn.down.weight"]
+
+
+def _muon_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in MUON_SHAPES.items()}
+
+
+def _muon_grads(step):
+    g = torch.Generator().manual_seed(200 + step)
+    return {n: torch.randn(s, generator=g) for n, s in MUON_SHAPES.items()}
+
+
+def _reference_orthogonalise(m: torch.Tensor) -> torch.Tensor:
+    """Quintic Newton-Schulz written as the polynomial X <- a X + b (X X^T) X + c (X X^T)^2 X, in float64."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = m.double()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.t()
+    x = x / (torch.linalg.matrix_norm(x) + 1e-7)
+    for _ in range(5):
+        s = x @ x.t()
+        x = a * x + b * (s @ x) + c * (s @ (s @ x))
+    return (x.t() if transposed else x).float()
+
+
+class ReferenceMuon:
+    """Textbook Muon: heavy-ball momentum buffer B <- mu B + G, Nesterov update G + mu B, orthogonalised,
+    times 0.2 sqrt(max(rows, cols)); decoupled weight decay. (The optimizer under test keeps the EMA form
+    (1 - mu) times this, which the normalisation before Newton-Schulz cancels.)"""
+
+    def __init__(self, params, lr, momentum, weight_decay):
+        self.params = {n: p.clone() for n, p in params.items()}
+        self.buf = {n: torch.zeros_like(p) for n, p in params.items()}
+        self.lr, self.mu, self.wd = lr, momentum, weight_decay
+
+    def step(self, grads):
+        for n, p in self.params.items():
+            self.buf[n] = self.mu * self.buf[n] + grads[n]
+            o = _reference_orthogonalise(grads[n] + self.mu * self.buf[n])
+            rows, cols = p.shape
+            self.params[n] = p * (1 - self.lr * self.wd) - self.lr * 0.2 * max(rows, cols) ** 0.5 * o
+
+
+def test_muon_steps_matrices_like_the_reference_and_the_rest_like_torch_adamw():
+    cfg = OptimizerConfig(
+        name="muon", lr=1e-2, muon_lr=0.05, muon_momentum=0.9, weight_decay=0.1, clip_norm=None
+    )
+    opt = StageOptimizer(_muon_params(), cfg)
+    assert opt.matrices == MUON_MATRICES
+    ref_muon = ReferenceMuon({n: _muon_params()[n] for n in MUON_MATRICES}, 0.05, 0.9, 0.1)
+    adam_names = [n for n in MUON_SHAPES if n not in MUON_MATRICES]
+    ref_adam = {n: torch.nn.Parameter(_muon_params()[n].clone()) for n in adam_names}
+    torch_opt = torch.optim.AdamW(ref_adam.values(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+    for step in range(5):
+        before = opt.served()
+        kept = {n: t.clone() for n, t in before.items()}
+        opt.accumulate(_muon_grads(step))
+        new = opt.step()
+        assert all(new[n] is not before[n] for n in new)  # out of place: new tensors...
+        for n, t in before.items():  # ...and the old version is untouched
+            assert torch.equal(t, kept[n]), n
+        ref_muon.step({n: _muon_grads(step)[n] for n in MUON_MATRICES})
+        for n, p in ref_adam.items():
+            p.grad = _muon_grads(step)[n]
+        torch_opt.step()
+        for n in MUON_MATRICES:
+            torch.testing.assert_close(new[n], ref_muon.params[n], rtol=0, atol=1e-6)
+        for n in adam_names:
+            torch.testing.assert_close(new[n], ref_adam[n].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_muon_update_has_the_rms_of_an_adamw_update():
+    """The 0.2 sqrt(max(rows, cols)) scale: one plain step moves a matrix by lr * ~0.2 RMS, any shape."""
+    shapes = {"layers.0.a.weight": (64, 256), "layers.0.b.weight": (256, 64), "layers.0.c.weight": (96, 96)}
+    params = {n: torch.zeros(s) for n, s in shapes.items()}
+    opt = StageOptimizer(params, OptimizerConfig(name="muon", lr=1.0, muon_momentum=0.0, clip_norm=None))
+    gen = torch.Generator().manual_seed(0)
+    opt.accumulate({n: torch.randn(s, generator=gen) for n, s in shapes.items()})
+    for n, p in opt.step().items():
+        rms = float(p.pow(2).mean().sqrt())
+        assert 0.15 < rms < 0.22, (n, rms)  # Newton-Schulz leaves singular values in ~0.7..1.1
+
+
+def test_muon_lr_follows_the_schedule_and_defaults_to_lr():
+    cfg = OptimizerConfig(name="muon", lr=1e-3, muon_lr=4e-3, warmup_steps=4)
+    assert [cfg.muon_lr_at(i) for i in range(5)] == pytest.approx([4 * cfg.lr_at(i) for i in range(5)])
+    plain = OptimizerConfig(name="muon", lr=1e-3)
+    assert plain.muon_lr_at(7) == plain.lr_at(7) and plain.muon_beta == 0.95
+    # left out, the new fields stay out of the canonical bytes (older specs keep their hash)
+    spec = tiny_spec(name="adamw")
+    assert "muon_lr" not in spec.to_dict()["optimizer"] and "muon_momentum" not in spec.to_dict()["optimizer"]
+    tuned = tiny_spec(name="muon", muon_lr=0.02, muon_momentum=0.9)
+    assert RunSpec.from_json(tuned.canonical_bytes()) == tuned
+    assert tuned.spec_hash != tiny_spec(name="muon").spec_hash
+
+
+def test_muon_state_layout_round_trip_and_shift():
+    cfg = OptimizerConfig(name="muon", lr=1e-2, muon_lr=0.02)
+    a = StageOptimizer(_muon_params(), cfg)
+    names = a.state_names()
+    adam = [n for n in MUON_SHAPES if n not in MUON_MATRICES]
+    assert names == (
+        [f"param/{n}" for n in MUON_SHAPES]
+        + [f"exp_avg/{n}" for n in adam]
+        + [f"exp_avg_sq/{n}" for n in adam]
+        + [f"muon_momentum/{n}" for n in MUON_MATRICES]
+    )
+    assert [tuple(t.shape) for t in a.state_tensors()] == [MUON_SHAPES[n.split("/", 1)[1]] for n in names]
+    for step in range(2):
+        a.accumulate(_muon_grads(step))
+        a.step()
+    b = StageOptimizer(_muon_params(1), cfg)
+    b.load([t.clone() for t in a.state_tensors()], a.metadata())
+    assert b.step_count == 2 and b.metadata()["optimizer"] == "muon"
+    for x, y in zip(a.state_tensors(), b.state_tensors(), strict=True):
+        torch.testing.assert_close(x, y)
+    for opt in (a, b):  # the loaded copy continues exactly like the original
+        opt.accumulate(_muon_grads(5))
+        opt.step()
+    for x, y in zip(a.state_tensors(), b.state_tensors(), strict=True):
+        torch.testing.assert_close(x, y)
+    # an averaging round without local steps lands every slot (muon's own included) on the average
+    sent = [t.clone() for t in a.state_tensors()]
+    averaged = [s * 0.5 + 0.01 for s in sent]
+    a.shift([x - s for x, s in zip(averaged, sent, strict=True)], averaged)
+    for x, t in zip(averaged, a.state_tensors(), strict=True):
+        torch.testing.assert_close(t, x)
+    # state of another optimizer is refused, and nothing changes
+    adamw = StageOptimizer(_muon_params(), OptimizerConfig(name="adamw"))
+    with pytest.raises(ValueError, match="expected"):
+        b.load(adamw.state_tensors(), adamw.metadata())
+
+
+def test_muon_on_a_stage_takes_the_block_matrices_including_subspace_coefficients():
+    spec = RunSpec.from_dict(
+        {
+            "run_id": "opt-sub",
+            "model": {
+                "vocab_size": 64,
+                "d_model": 32,
+                "n_layers": 2,
+                "n_heads": 2,
+                "seq_len": 16,
+                "subspace": {"rank": 4},
+            },
+            "stages": 2,
+            "codecs": {"activations": "none", "gradients": "none"},
+            "optimizer": {"name": "muon"},
+            "micro_batch_size": 2,
+        }
+    )
+    first = dict(build_stage(spec, 0).named_parameters())
+    opt = StageOptimizer(first, spec.optimizer)
+    assert "layers.0.attn.proj.coef" in opt.matrices and "layers.0.ffn.down.coef" in opt.matrices
+    assert "embed.coef" not in opt.matrices  # the subspace embedding's coefficients: AdamW
+    assert set(opt.matrices) == {n for n, p in first.items() if n.startswith("layers.") and p.dim() == 2}
+    # the exporter lays the state out on the meta device (swarm/export.py): no allocation, same names
+    meta = StageOptimizer({n: torch.empty(p.shape, device="meta") for n, p in first.items()}, spec.optimizer)
+    assert meta.state_names() == opt.state_names()
+
+
+def test_muon_stage_backward_after_a_step_runs_on_the_stashed_version():
+    spec = tiny_spec(name="muon", lr=1e-2, muon_lr=0.05, clip_norm=None)
+    comp = StageCompute(spec, 1)
+    gen = torch.Generator().manual_seed(0)
+    x_a, x_b = (torch.randn(2, 16, 32, generator=gen) for _ in range(2))
+    g_a, g_b = (torch.randn(2, 16, 32, generator=gen) for _ in range(2))
+    comp.forward("a", x_a, "train")
+    comp.forward("b", x_b, "train")
+    v0 = {n: t.clone() for n, t in comp.versions.get(0).items()}
+    assert comp.backward("b", g_b).stepped and comp.version == 1
+    ra = comp.backward("a", g_a)
+    assert ra.version == 0 and ra.staleness == 1 and comp.version == 2
+    for n, t in comp.versions.get(0).items():  # the stashed version survived two Muon steps intact
+        assert torch.equal(t, v0[n]), n
+    meta, tensors = comp.export_state()
+    other = StageCompute(spec, 1)
+    other.import_state(meta, tensors)
+    for n, t in comp.params().items():
+        torch.testing.assert_close(other.params()[n], t)
