@@ -1,13 +1,24 @@
 """The same model trained in one process: the compute-bound limit of this machine.
 
 No network, no pipeline: ``swarm.model.build_model(spec)`` (the stages chained, identical weights), the
-same micro-batches as a swarm trainer with the same seed, ``accumulate`` micro-batches per optimizer
-step, AdamW with the spec's schedule and clipping *per stage* (what each stage peer does, so the only
-difference to the swarm is the distribution). It uses every core unless told otherwise.
+same micro-batches as a swarm trainer with the same seed and data (``swarm.data``), ``accumulate``
+micro-batches per optimizer step, the spec's schedule and clipping *per stage* (what each stage peer
+does, so the only difference to the swarm is the distribution). Two optimizers (``--optimizer``):
+
+- ``torch_adamw``: ``torch.optim.AdamW`` with the spec's lr, betas and weight decay (whatever
+  ``optimizer.name`` says); the default, and the reference of ``benchmarks/links.py``;
+- ``stage``: the spec's own optimizer through ``peer.optimizer.StageOptimizer``, one per stage, fed
+  exactly as a stage peer feeds it (gradients of ``accumulate`` micro-batches, then a step); the
+  reference of ``benchmarks/convergence.py``.
+
+With ``eval_tokens`` the trained model's held-out loss is measured at the end (:func:`held_out_loss`:
+the fixed, evenly spaced held-out windows of ``swarm.data.TokenData``, the same ones an exported swarm
+model is evaluated on). It uses every core unless told otherwise.
 
 Run::
 
     python -m benchmarks.single_process --spec examples/bench.yaml --steps 8 --accumulate 4
+    python -m benchmarks.single_process --spec examples/demo.yaml --optimizer stage --steps 50 --eval-tokens 65536
 
 ``benchmarks/links.py`` calls :func:`run_single`, which starts this module as a child process so
 that its peak resident memory (VmHWM) is its own.
@@ -16,6 +27,7 @@ that its peak resident memory (VmHWM) is its own.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -30,7 +42,9 @@ from typing import Any
 from benchmarks.pipelining_baseline import ROOT, _load_spec, peak_rss_bytes
 from swarm.errors import ConfigError, SwarmError
 
-__all__ = ["SingleConfig", "run_single", "train_single"]
+__all__ = ["OPTIMIZERS", "SingleConfig", "held_out_loss", "run_single", "train_single"]
+
+OPTIMIZERS = ("torch_adamw", "stage")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +66,18 @@ class SingleConfig:
     threads: int | None = None
     """torch threads; None = torch's default (every core)."""
     timeout_s: float = 1800.0
+    optimizer: str = "torch_adamw"
+    """``torch_adamw`` or ``stage`` (the spec's optimizer via ``StageOptimizer``); see the module docstring."""
+    data_source: str | None = None
+    """``swarm.data`` source (a trainer's ``--data``); None = the standard-library corpus."""
+    held_out_fraction: float | None = None
+    """Held-out fraction of the token stream (None = swarm.data's default). A trainer must use the same
+    value to read the same training windows."""
+    eval_tokens: int = 0
+    """Held-out tokens evaluated after training (rounded up to whole micro-batches); 0 = no evaluation."""
+    metrics_path: str | None = None
+    """Append one JSON line per optimizer step here while training (``{"type": "step", "time", "tokens",
+    "loss"}``, the fields of a trainer's metrics.jsonl), for progress; None = none."""
 
     def __post_init__(self) -> None:
         for name in ("accumulate", "steps"):
@@ -59,13 +85,87 @@ class SingleConfig:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be at least 1")
         if not 0 <= self.warmup_steps < self.steps:
             raise ConfigError(f"warmup_steps = {self.warmup_steps} must lie in [0, steps = {self.steps})")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer = {self.optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
+        if self.eval_tokens < 0:
+            raise ConfigError(f"eval_tokens = {self.eval_tokens} must be >= 0 (0 = no evaluation)")
+
+
+def data_config(cfg: SingleConfig):
+    """The ``swarm.data.DataConfig`` a trainer given the same options would use."""
+    from swarm.data import DataConfig
+
+    kw: dict[str, Any] = {"source": cfg.data_source}
+    if cfg.data_bytes is not None:
+        kw["max_bytes"] = cfg.data_bytes
+    if cfg.held_out_fraction is not None:
+        kw["held_out_fraction"] = cfg.held_out_fraction
+    return DataConfig(**kw)
+
+
+def held_out_loss(model, data, *, batch: int, tokens: int) -> tuple[float, int]:
+    """Mean loss of ``model`` (token ids (B, T) -> logits (B, T, V)) on ``data``'s fixed held-out windows:
+    ``ceil(tokens / (batch * seq_len))`` micro-batches of ``batch`` windows; returns (loss, tokens used)."""
+    import torch
+
+    from swarm.model import lm_loss
+
+    n_batches = max(1, -(-tokens // (batch * data.seq_len)))
+    total = 0.0
+    with torch.no_grad():
+        for x, y in data.eval_batches(batch, n_batches):  # (B, T), (B, T)
+            total += float(lm_loss(model(x), y))
+    return total / n_batches, n_batches * batch * data.seq_len
+
+
+class _StageOptimizers:
+    """The spec's optimizer, one ``StageOptimizer`` per stage, driven as stage peers drive theirs: each
+    micro-batch's parameter gradients are accumulated, and a stage steps once it holds ``accumulate``."""
+
+    def __init__(self, model, spec, accumulate: int):
+        from peer.optimizer import StageOptimizer
+
+        # the run's own optimizer section; only ``accumulate`` is this run's (it equals the spec's when
+        # the caller reproduces a swarm run)
+        ocfg = dataclasses.replace(spec.optimizer, accumulate=accumulate)
+        self.stages = list(model.stages)
+        self.opts = [StageOptimizer(dict(s.named_parameters()), ocfg) for s in self.stages]
+        for stage in self.stages:
+            stage.requires_grad_(False)  # the trained tensors are the optimizers' (functional_call)
+        self._leaves: list[dict[str, Any]] = []
+
+    def forward(self, tokens):  # (B, T) -> (B, T, vocab)
+        from torch.func import functional_call
+
+        self._leaves = []
+        x = tokens
+        for stage, opt in zip(self.stages, self.opts, strict=True):
+            params = {n: t.detach().requires_grad_(True) for n, t in opt.served().items()}
+            self._leaves.append(params)
+            x = functional_call(stage, params, (x,))
+        return x
+
+    def after_backward(self) -> None:
+        for opt, params in zip(self.opts, self._leaves, strict=True):
+            opt.accumulate({n: p.grad for n, p in params.items()})
+            if opt.ready:
+                opt.step()
+
+    def load_into_model(self) -> None:
+        """Copy each stage's base parameters (what ``swarm export`` writes) into the modules."""
+        import torch
+
+        with torch.no_grad():
+            for stage, opt in zip(self.stages, self.opts, strict=True):
+                for name, p in stage.named_parameters():
+                    p.copy_(opt.params[name])
 
 
 def train_single(cfg: SingleConfig) -> dict[str, Any]:
-    """Train in this process; per-step times and losses, peak RSS."""
+    """Train in this process; per-step times and losses, peak RSS, and the held-out loss if asked."""
     import torch
 
-    from swarm.data import DataConfig, build_data
+    from swarm.data import build_data
     from swarm.model import build_model, lm_loss
 
     if cfg.threads is not None:
@@ -73,46 +173,76 @@ def train_single(cfg: SingleConfig) -> dict[str, Any]:
     spec = _load_spec(cfg.spec_path)
     model = build_model(spec)
     ocfg = spec.optimizer
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=ocfg.lr, betas=ocfg.betas, weight_decay=ocfg.weight_decay, eps=1e-8
+    stage_opts = _StageOptimizers(model, spec, cfg.accumulate) if cfg.optimizer == "stage" else None
+    opt = (
+        None
+        if stage_opts is not None
+        else torch.optim.AdamW(
+            model.parameters(), lr=ocfg.lr, betas=ocfg.betas, weight_decay=ocfg.weight_decay, eps=1e-8
+        )
     )
-    dkw = {} if cfg.data_bytes is None else {"max_bytes": cfg.data_bytes}
-    data, _ = build_data(DataConfig(**dkw), seq_len=spec.model.seq_len, vocab_size=spec.model.vocab_size)
+    data, _ = build_data(data_config(cfg), seq_len=spec.model.seq_len, vocab_size=spec.model.vocab_size)
     stream = data.stream(spec.micro_batch_size, seed=cfg.seed)
     tokens_per_step = cfg.accumulate * spec.micro_batch_size * spec.model.seq_len
+    metrics = open(cfg.metrics_path, "a") if cfg.metrics_path else None  # noqa: SIM115 (closed in finally)
     steps = []
     t0 = time.perf_counter()
-    for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = ocfg.lr_at(step)
-        ts = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for _ in range(cfg.accumulate):
-            tokens, targets = next(stream)  # (B, T), (B, T)
-            loss = lm_loss(model(tokens), targets)
-            (loss / cfg.accumulate).backward()
-            total += float(loss.detach())
-        if ocfg.clip_norm is not None:
-            for stage in model.stages:  # per stage, as each stage peer clips its own gradient
-                torch.nn.utils.clip_grad_norm_(stage.parameters(), ocfg.clip_norm)
-        opt.step()
-        te = time.perf_counter()
-        steps.append(
-            {
+    try:
+        for step in range(cfg.steps):
+            ts = time.perf_counter()
+            total = 0.0
+            if stage_opts is not None:
+                # each stage's optimizer averages its accumulated gradients, clips and steps by itself
+                for _ in range(cfg.accumulate):
+                    tokens, targets = next(stream)  # (B, T), (B, T)
+                    loss = lm_loss(stage_opts.forward(tokens), targets)
+                    loss.backward()
+                    stage_opts.after_backward()
+                    total += float(loss.detach())
+            else:
+                assert opt is not None
+                for group in opt.param_groups:
+                    group["lr"] = ocfg.lr_at(step)
+                opt.zero_grad(set_to_none=True)
+                for _ in range(cfg.accumulate):
+                    tokens, targets = next(stream)  # (B, T), (B, T)
+                    loss = lm_loss(model(tokens), targets)
+                    (loss / cfg.accumulate).backward()
+                    total += float(loss.detach())
+                if ocfg.clip_norm is not None:
+                    for stage in model.stages:  # per stage, as each stage peer clips its own gradient
+                        torch.nn.utils.clip_grad_norm_(stage.parameters(), ocfg.clip_norm)
+                opt.step()
+            te = time.perf_counter()
+            rec = {
                 "step": step,
                 "time_s": te - ts,
                 "wall_s": te - t0,
                 "loss": total / cfg.accumulate,
                 "tokens": (step + 1) * tokens_per_step,
             }
-        )
-    return {
+            steps.append(rec)
+            if metrics is not None:
+                line = {"type": "step", "step": step + 1, "time": rec["wall_s"], "tokens": rec["tokens"]}
+                metrics.write(json.dumps({**line, "loss": rec["loss"]}) + "\n")
+                metrics.flush()
+    finally:
+        if metrics is not None:
+            metrics.close()
+    result: dict[str, Any] = {
         "steps": steps,
         "peak_rss_bytes": peak_rss_bytes(),
         "threads": torch.get_num_threads(),
         "tokens_per_step": tokens_per_step,
+        "optimizer_name": ocfg.name,
     }
+    if cfg.eval_tokens:
+        if stage_opts is not None:
+            stage_opts.load_into_model()
+        model.eval()
+        loss, n = held_out_loss(model, data, batch=spec.micro_batch_size, tokens=cfg.eval_tokens)
+        result.update(eval_loss=loss, held_out_tokens=n)
+    return result
 
 
 def run_single(cfg: SingleConfig, work_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -155,6 +285,10 @@ def run_single(cfg: SingleConfig, work_dir: str | os.PathLike[str]) -> dict[str,
         "losses": [{"tokens": s["tokens"], "wall_s": s["wall_s"], "loss": s["loss"]} for s in res["steps"]],
         "peak_rss_mb": res["peak_rss_bytes"] / 2**20 if res["peak_rss_bytes"] else None,
         "wall_s": time.perf_counter() - t,
+        "optimizer": cfg.optimizer,
+        "optimizer_name": res.get("optimizer_name"),
+        "eval_loss": res.get("eval_loss"),
+        "held_out_tokens": res.get("held_out_tokens"),
     }
 
 
@@ -169,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="torch_adamw")
+    parser.add_argument("--eval-tokens", type=int, default=0, help="held-out tokens evaluated at the end")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write the summary JSON here")
     args = parser.parse_args(argv)
@@ -187,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=args.steps,
         warmup_steps=args.warmup_steps,
         threads=args.threads,
+        optimizer=args.optimizer,
+        eval_tokens=args.eval_tokens,
     )
     with tempfile.TemporaryDirectory(prefix="swarmpipe-single-") as tmp:
         summary = run_single(cfg, tmp)
@@ -196,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"single process: {summary['tokens_per_s']:.0f} tokens/s (step {summary['step_s']:.2f} s, "
         f"{summary['threads']} threads), peak RSS {summary['peak_rss_mb']:.0f} MiB, "
         f"loss {summary['losses'][0]['loss']:.3f} -> {summary['losses'][-1]['loss']:.3f}"
+        + (f", held-out {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "")
     )
     return 0
 
