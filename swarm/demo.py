@@ -270,6 +270,22 @@ class Demo:
         self._await_online([proc])
         return proc
 
+    async def add_peer_async(
+        self, stage: int, *, extra_args: tuple[str, ...] = (), name: str = "extra"
+    ) -> PeerProcess:
+        """:meth:`add_peer` for the event loop: the wait for the peer to come online is cancellable (a
+        thread's would hold up the loop's shutdown); a cancelled peer is still stopped by :meth:`shutdown`."""
+        proc = self._spawn_peer(stage, len(self.peers), suffix=f"-{name}", extra_args=extra_args)
+        await self._await_online_async([proc])
+        return proc
+
+    def kill_peer(self, proc: PeerProcess) -> None:
+        """SIGKILL ``proc``'s whole process group (the peer, its DHT process and its p2pd) and mark it
+        killed; returns at once (reap it with ``proc.popen.wait()``, quick after SIGKILL). What it leaves
+        (hivemind socket files) :meth:`shutdown` removes, or ``remove_stale_sockets(self.socket_prefix)``."""
+        _kill_group(proc.pid, signal.SIGKILL)
+        proc.killed = True
+
     def _spawn_peer(
         self, stage: int, index: int, *, suffix: str = "", extra_args: tuple[str, ...] = ()
     ) -> PeerProcess:
@@ -394,8 +410,7 @@ class Demo:
         crowded = [ps for ps in by_stage.values() if len(ps) > 1]
         victim = (crowded[-1] if crowded else live)[-1]
         inflight = self.trainer.ledger.inflight() if self.trainer is not None else 0
-        _kill_group(victim.pid, signal.SIGKILL)
-        victim.killed = True
+        self.kill_peer(victim)
         while victim.popen.poll() is None:  # reaps it; SIGKILL takes effect at once
             await asyncio.sleep(0.05)
         event = {
