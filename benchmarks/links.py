@@ -45,11 +45,9 @@ codec under test for activations and gradients, the optimizer mode, and a run id
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -66,6 +64,9 @@ from typing import Any
 from benchmarks.markdown import MARKDOWN, write_section
 from benchmarks.netlab import Lab, LabError, format_rate, lab_unavailable_reason, open_lab
 from benchmarks.pipelining_baseline import ROOT, PipeConfig, _load_spec, peak_rss_bytes, run_pipelining
+from benchmarks.report import cell as _f
+from benchmarks.report import machine_info
+from benchmarks.report import smooth as _smooth
 from benchmarks.single_process import SingleConfig, run_single
 from swarm.errors import ConfigError, SwarmError
 from swarm.network import SOCKET_PREFIX_ENV
@@ -696,14 +697,6 @@ def swarm_figures(
 # -------------------------------------------------------------------------------------- analysis
 
 
-def _smooth(values: list[float], k: int = 3) -> list[float]:
-    out = []
-    for i in range(len(values)):
-        part = values[max(0, i - k + 1) : i + 1]
-        out.append(sum(part) / len(part))
-    return out
-
-
 def tokens_to_target(losses: list[dict[str, Any]], target: float) -> int | None:
     """Tokens at which the smoothed training loss first reaches ``target`` (None if it never does)."""
     pts = [p for p in losses if p.get("loss") is not None]
@@ -953,10 +946,6 @@ def plot(
 # -------------------------------------------------------------------------------------- markdown
 
 
-def _f(x: Any, fmt: str = ".0f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def markdown_section(report: dict[str, Any]) -> str:
     """The "Links" section of BENCHMARKS.md from a report (pure)."""
     cfg = report["config"]
@@ -1116,35 +1105,6 @@ def write_markdown(section: str, path: Path = MARKDOWN) -> None:
 
 
 # ----------------------------------------------------------------------------------------- driver
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    try:
-        import hivemind
-
-        hv = hivemind.__version__
-    except ImportError:
-        hv = None
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = 0.0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "memory_gib": mem,
-        "torch": torch.__version__,
-        "hivemind": hv,
-        "python": platform.python_version(),
-        "load_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-    }
 
 
 def run_all(
