@@ -1,24 +1,26 @@
-"""Same-stage synchronisation over hivemind: state download for joining peers, and periodic averaging.
+"""Same-stage synchronisation over hivemind: state download for joining peers, and gradient rounds.
 
 Both use one ``hivemind.averaging.DecentralizedAverager`` per (run, stage), with the prefix
 ``<run_id>_<spec_hash>_stage<i>`` (averager prefixes must not contain '.'; run ids and hashes
 cannot). The spec hash is in the prefix so that two specs published under one run id (a mistake,
-but a possible one) never average their weights together.
+but a possible one) never combine their gradients.
 
 State download (``load_state``): hivemind's ``load_state_from_peers`` asks a donor that declared
 itself in the DHT for its ``get_current_state()``. We override that to return the stage's
 *base* parameters, optimizer slots and version (``StageCompute.export_state``), so a joining peer
 continues exactly where the donor is. A peer declares itself as a donor only once it holds real
 state (``allow_state_sharing`` starts False), and its priority is its version, so joiners prefer
-the most advanced replica.
+the most advanced replica. State downloads travel as one flat tensor, unflattened with the
+receiver's own shapes (which also checks their total size).
 
-Averaging (``average``): the averager holds the whole state as ONE flat float32 shared-memory
-buffer (one segment whatever the number of parameter tensors; state downloads travel as one flat
-tensor too, unflattened with the receiver's own shapes, which also checks their total size). A round copies the current state in, runs ``step()`` (blocking, so it is called from a
-dedicated thread, never the event loop), and returns ``(sent, averaged)``; the peer applies
-``current + (averaged - sent)`` between micro-batches (``StageCompute.apply_average``), so steps
-taken while the round ran are kept. A lone peer's round fails after the timeout; that is normal
-and reported as None.
+Gradient rounds (``combine``; the protocol is in peer/replicas.py): the averager's buffer is ONE
+flat float32 shared-memory tensor of ``gradient numel + 1``: the replica's gradient *sums* and, as
+the last element, its micro-batch count. Every member takes part with weight 1, so the average is
+``(mean of sums, mean of counts)`` and their ratio is the stage's mean gradient over every
+micro-batch of the round, whatever each replica contributed (0 included). The group size is set
+per round to the number of online replicas (min = target, so a round never splits the stage into
+groups that step differently), and each member's version and weight digest travel in hivemind's
+``gather``. A round blocks, so it runs in the replica rounds' thread, never on the event loop.
 
 Access (private runs, allow/deny lists; see swarm/auth.py): hivemind's averaging RPCs carry no room
 for our proofs, so the averager process keeps a set of *authorized peer ids* (digests in shared
@@ -119,6 +121,15 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
             meta, tensors = self.state_fn()
             return meta, [_flatten(tensors)], None
 
+        async def _set_group_size(self, size: int) -> None:  # runs in the averager process (via its pipe)
+            self._matchmaking.min_group_size = size
+            self._matchmaking.target_group_size = size
+            self._matchmaking.potential_leaders.target_group_size = size
+            self._matchmaking.group_key_manager.target_group_size = size
+
+        def set_group_size(self, size: int) -> None:  # host process: queued before the next step()
+            self._outer_pipe.send(("_set_group_size", [], dict(size=size)))
+
         async def _shutdown(self, timeout):  # noqa: ANN001 -- runs in the averager process
             try:
                 await super()._shutdown(timeout)
@@ -167,13 +178,15 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
 class StageAverager:
     """One averager of one stage: :meth:`create` (forks), then :meth:`wait_ready`."""
 
-    def __init__(self, averager: Any, prefix: str, shapes: list[torch.Size]):
+    def __init__(self, averager: Any, prefix: str, shapes: list[torch.Size], grad_numel: int):
         self._averager = averager
-        self.shapes = shapes
+        self.shapes = shapes  # of the downloadable state
+        self.grad_numel = grad_numel
         self.prefix = prefix
         self.rounds_ok = 0
         self.rounds_failed = 0
         self._lock = threading.Lock()  # one round at a time
+        self._group_size = 0
 
     @classmethod
     def create(
@@ -184,11 +197,13 @@ class StageAverager:
         spec_hash: str,
         stage: int,
         shapes: list[torch.Tensor],
+        grad_shapes: list[torch.Size],
         state_fn: StateFn,
         min_matchmaking_time_s: float = 2.0,
         request_timeout_s: float = 1.0,
     ) -> StageAverager:
-        """Fork the averager process for ``stage`` with buffers shaped like ``shapes`` (CPU float32).
+        """Fork the averager process for ``stage`` (state downloads shaped like ``shapes``; gradient
+        rounds over ``grad_shapes``, the stage's parameters, plus the count).
 
         Call from the event loop's thread and then :meth:`wait_ready` in a worker thread. Why not
         ``run_in_background``: it sets the *caller's* SIGINT handler to "ignore" for good (so the
@@ -198,7 +213,8 @@ class StageAverager:
         averager_cls = _make_averager_class()
         prefix = averager_prefix(run_id, spec_hash, stage)
         sizes = [t.shape for t in shapes]
-        buffer = torch.zeros(sum(s.numel() for s in sizes), dtype=torch.float32)  # the state, flattened
+        grad_numel = sum(s.numel() for s in grad_shapes)
+        buffer = torch.zeros(grad_numel + 1, dtype=torch.float32)  # (gradient sums, count), flattened
         averager = averager_cls(
             [buffer],
             dht,
@@ -222,7 +238,7 @@ class StageAverager:
                 signal.signal(signal.SIGINT, previous)
         else:
             averager.start()
-        return cls(averager, prefix, sizes)
+        return cls(averager, prefix, sizes, grad_numel)
 
     def set_authorized(self, peer_ids: list[str] | None) -> None:
         """Only these peer ids may download state or average with this process (None: everyone)."""
@@ -261,30 +277,61 @@ class StageAverager:
             return None
         return meta, _unflatten(tensors[0], self.shapes)
 
-    def average(
-        self, state: list[torch.Tensor], *, weight: float, timeout_s: float
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """One blocking round: ``(sent, averaged)`` on success, None when no group formed or it failed."""
+    def others_waiting(self) -> bool:
+        """Whether another replica of the stage is looking for a round group right now (its hivemind
+        matchmaking declaration under the group key ``<prefix>.0b``; one DHT get)."""
+        from hivemind.utils import get_dht_time
+
+        found = self._averager.dht.get(f"{self.prefix}.0b", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return False
+        me, now = self._averager.dht.peer_id.to_bytes(), get_dht_time()
+        return any(
+            key != me and item.value is True and item.expiration_time > now
+            for key, item in found.value.items()
+        )
+
+    def combine(
+        self,
+        sums: list[torch.Tensor],
+        count: int,
+        *,
+        group_size: int,
+        gather: dict[str, Any],
+        timeout_s: float,
+    ) -> tuple[torch.Tensor, float, dict[str, Any]] | None:
+        """One blocking gradient round of ``group_size`` replicas: ``(mean of the sums, flat; mean count;
+        gathered)``, ``gathered`` mapping each member's peer id to its ``gather``; None when no full group
+        formed in time or the round failed (routine: the caller keeps its gradients)."""
         with self._lock:
-            flat = _flatten(state)
+            flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in sums])
+            if flat.numel() != self.grad_numel:
+                raise ValueError(
+                    f"gradient of {flat.numel()} values; the round buffer holds {self.grad_numel}"
+                )
+            if group_size != self._group_size:
+                self._averager.set_group_size(group_size)
+                self._group_size = group_size
             with self._averager.get_tensors() as buffers:
-                buffers[0].copy_(flat)
-            sent = _unflatten(flat, self.shapes)
+                buffers[0][:-1].copy_(flat)
+                buffers[0][-1] = float(count)
             try:
-                result = self._averager.step(weight=weight, timeout=timeout_s, allow_retries=False)
+                gathered = self._averager.step(
+                    weight=1.0, gather=gather, timeout=timeout_s, allow_retries=True
+                )
             # hivemind surfaces a failed round as one of several types (AllreduceException,
             # MatchmakingException, TimeoutError, P2P errors); a failed round is routine, never fatal.
             except Exception as e:  # noqa: BLE001
                 self.rounds_failed += 1
-                logger.info("averaging round of %s did not complete: %s", self.prefix, e)
+                logger.info("gradient round of %s did not complete: %s", self.prefix, e)
                 return None
-            if result is None:
+            if gathered is None:
                 self.rounds_failed += 1
                 return None
             with self._averager.get_tensors() as buffers:
-                averaged = _unflatten(buffers[0], self.shapes)
+                out = buffers[0].clone()
             self.rounds_ok += 1
-            return sent, averaged
+            return out[:-1], float(out[-1]), {str(pid): data for pid, data in gathered.items()}
 
     def shutdown(self) -> None:
         try:

@@ -24,13 +24,14 @@ state itself (``width = d_model``). So ``forward`` takes ``(B, T, width)`` plus 
 ``backward`` takes and returns ``(B, T, width)`` tensors.
 
 Thread-safety: the worker thread calls forward/backward; other threads (averaging, state download,
-checkpoints) call :meth:`export_state`, :meth:`apply_average`. Every access to versions, stash and
+checkpoints) call :meth:`export_state`; the replica rounds (peer/replicas.py) :meth:`take_round`, :meth:`end_round`, :meth:`adopt_state`. Every access to versions, stash and
 optimizer state happens under :attr:`lock`; the matmuls themselves run outside it on immutable
 version tensors.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -121,6 +122,14 @@ class StageCompute:
         self._window_forwards = 0  # sync mode: training forwards started in the current step window
         self.steps_taken = 0
         self.on_gate_change: Callable[[], None] = lambda: None  # the queue's notify()
+        # Replicas (note "replica rounds" in peer/replicas.py): with more than one online replica the
+        # stage steps collectively, with the gradient combined over every replica; a lone replica
+        # steps locally on its own `accumulate` micro-batches, exactly as without replicas.
+        self.replicas = 1  # online replicas of this stage, this one included (set by the peer)
+        self.on_round_due: Callable[[], None] = lambda: None  # wakes the replica rounds' thread
+        self.last_gradient_at = clock()
+        self._round_active = False  # sync mode: forwards wait while a round combines this window
+        self._digest_cache: tuple[int, list[float]] | None = None
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -162,10 +171,17 @@ class StageCompute:
         """The runtime's forward gate: False in sync mode once this step's forwards have all started."""
         if not self.sync:
             return True
+        if self._round_active:
+            return False
         # No lock on purpose: the queue calls this while holding its own lock, and compute code
         # notifies the queue while holding ours; reading one int needs no lock (lock order stays
         # one-way: compute lock -> queue lock).
-        return self._window_forwards < self.spec.optimizer.accumulate
+        return self._window_forwards < self.quota()
+
+    def quota(self) -> int:
+        """Micro-batches this replica contributes to one stage step: the stage's ``accumulate``
+        shared among its online replicas (all of it for a lone peer)."""
+        return max(1, math.ceil(self.spec.optimizer.accumulate / max(1, self.replicas)))
 
     def params(self) -> Params:
         """The latest served weights (read-only tensors)."""
@@ -348,7 +364,14 @@ class StageCompute:
     # ---- steps, drops, expiry ------------------------------------------------------------------
 
     def _maybe_step(self) -> bool:
-        """Step when ``accumulate`` micro-batches are in (sync: and none of this window is in flight)."""
+        """Step when ``accumulate`` micro-batches are in (sync: and none of this window is in flight).
+
+        A replicated stage never steps here: it wakes the replica rounds instead (peer/replicas.py)."""
+        self.last_gradient_at = self.stash.clock()
+        if self.replicas > 1:
+            if self.optimizer.pending >= self.quota():
+                self.on_round_due()
+            return False
         if not self.optimizer.ready:
             return False
         if self.sync and len(self.stash) > 0:
@@ -419,6 +442,20 @@ class StageCompute:
 
     def import_state(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         """Adopt a downloaded or checkpointed state; refuses another spec or stage (``RequestError``)."""
+        version = self._check_state_meta(meta)
+        with self.lock:
+            try:
+                self.optimizer.load(tensors, meta)
+            except ValueError as e:
+                raise RequestError(f"state refused: {e}") from None
+            self.version = version
+            self.versions.reset(version, self.optimizer.served())
+            self.stash = MicroBatchStash(self.spec.stash_ttl_s, clock=self.stash.clock)
+            self._window_forwards = 0
+        self.on_gate_change()
+
+    def _check_state_meta(self, meta: dict[str, Any]) -> int:
+        """The version of a state for this spec and stage, or ``RequestError`` naming what differs."""
         if meta.get("spec_hash") != self.spec.spec_hash:
             raise RequestError(
                 f"state is for run spec {meta.get('spec_hash')!r}, this peer serves {self.spec.spec_hash}"
@@ -432,20 +469,88 @@ class StageCompute:
         version = meta.get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise RequestError(f"state version {version!r} must be a non-negative integer")
+        return version
+
+    # ---- replica rounds (peer/replicas.py) ---------------------------------------------------
+
+    def round_due(self, idle_s: float) -> bool:
+        """This replica should join a round: its share of the stage batch is in, or it holds some
+        gradient and none arrived for ``idle_s`` (the trainer sent its micro-batches elsewhere)."""
         with self.lock:
+            pending = self.optimizer.pending
+            if pending == 0 or self._round_active:
+                return False
+            if pending >= self.quota():
+                return True
+            return self.stash.clock() - self.last_gradient_at >= idle_s and len(self.stash) == 0
+
+    def idle(self) -> bool:
+        """Nothing pending, nothing awaiting its backward, no round running."""
+        with self.lock:
+            return self.optimizer.pending == 0 and len(self.stash) == 0 and not self._round_active
+
+    def take_round(self) -> tuple[list[torch.Tensor], int, int]:
+        """Start a round: ``(gradient sums, micro-batch count, version)``; accumulation restarts."""
+        with self.lock:
+            sums, count = self.optimizer.take_gradients()
+            self._round_active = True
+            return sums, count, self.version
+
+    def end_round(
+        self, mean: list[torch.Tensor] | None, version: int, back: tuple[list[torch.Tensor], int] | None
+    ) -> bool:
+        """Finish a round: step with the combined ``mean`` gradient if this replica still is at ``version``
+        (True), or give ``back`` the taken sums when the round failed. Returns whether it stepped."""
+        stepped = False
+        with self.lock:
+            if back is not None:
+                self.optimizer.give_back_gradients(*back)
+            if mean is not None and self.version == version:
+                served = self.optimizer.step_with(mean)
+                self._push_version(served)
+                self.steps_taken += 1
+                self._window_forwards = 0
+                stepped = True
+            self._round_active = False
+        self.on_gate_change()
+        return stepped
+
+    def digest(self) -> list[float]:
+        """Three statistics of the base parameters (sum, sum of squares, a signed sum), to tell replicas
+        that diverged from replicas that differ by rounding only (compare with a relative tolerance)."""
+        with self.lock:
+            if self._digest_cache is not None and self._digest_cache[0] == self.version:
+                return self._digest_cache[1]
+            params = [self.optimizer.params[n] for n in self.optimizer.names]
+            version = self.version
+        total = square = signed = 0.0
+        for i, p in enumerate(params):
+            d = p.detach().double()
+            total += float(d.sum())
+            square += float(d.pow(2).sum())
+            signed += float(d.flatten()[:: 2 + i % 3].sum())
+        out = [total, square, signed]
+        with self.lock:
+            self._digest_cache = (version, out)
+        return out
+
+    def adopt_state(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> bool:
+        """Catch up with the stage: take a newer replica's state as a new version, keeping the stash and
+        the kept versions (in-flight backwards still run on the weights their forward used) and the
+        gradients accumulated meanwhile (added to the next round, like any stale gradient). False when
+        the state is not newer than ours."""
+        version = self._check_state_meta(meta)
+        with self.lock:
+            if version <= self.version:
+                return False
+            kept = self.optimizer.take_gradients()  # load() zeroes the accumulator
             try:
                 self.optimizer.load(tensors, meta)
             except ValueError as e:
                 raise RequestError(f"state refused: {e}") from None
+            finally:
+                self.optimizer.give_back_gradients(*kept)
             self.version = version
-            self.versions.reset(version, self.optimizer.served())
-            self.stash = MicroBatchStash(self.spec.stash_ttl_s, clock=self.stash.clock)
-            self._window_forwards = 0
+            self.versions.push(version, self.optimizer.served())
         self.on_gate_change()
-
-    def apply_average(self, sent: list[torch.Tensor], averaged: list[torch.Tensor]) -> None:
-        """Apply an averaging round as ``current + (averaged - sent)``; makes a new version."""
-        deltas = [a - s for a, s in zip(averaged, sent, strict=True)]
-        with self.lock:
-            served = self.optimizer.shift(deltas, averaged)
-            self._push_version(served)
+        return True

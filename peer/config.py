@@ -81,8 +81,12 @@ class PeerConfig:
     """How long a state download from a same-stage peer may take."""
     checkpoint_period_s: float = 300.0
     """Seconds between periodic checkpoints (with ``checkpoint_dir``)."""
-    averaging_matchmaking_s: float = 2.0
-    """Seconds an averaging round waits for same-stage peers to gather (hivemind min_matchmaking_time)."""
+    averaging_matchmaking_s: float = 1.0
+    """Seconds a gradient round's leader waits for the stage's other replicas before it gives up on a
+    full group and tries again (hivemind min_matchmaking_time; a full group starts at once)."""
+    max_failed_rounds: int = 3
+    """Gradient rounds that may fail in a row before a replica steps alone (the stage's other replicas
+    then catch up by downloading its state). Raise it on slow links if ``solo_steps`` grows."""
     drain_timeout_s: float = 10.0
     """On leaving a stage or shutting down: how long to wait for in-flight micro-batches to finish."""
     max_payload_bytes: int = 256 << 20
@@ -99,8 +103,6 @@ class PeerConfig:
     """A backward payload whose root-mean-square exceeds this is refused as absurd (and penalized)."""
     max_activation_rms: float = 1e6
     """A forward payload whose root-mean-square exceeds this is refused as absurd."""
-    max_average_shift: float = 1.0
-    """An averaging result is skipped when ||averaged - local|| exceeds this times ||local||."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -134,7 +136,13 @@ class PeerConfig:
             set_(self, "throughput", _positive("throughput", self.throughput))
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ConfigError(f"max_queue={self.max_queue!r} must be an integer >= 1")
-        for name in ("penalty_s", "max_grad_rms", "max_activation_rms", "max_average_shift"):
+        if (
+            isinstance(self.max_failed_rounds, bool)
+            or not isinstance(self.max_failed_rounds, int)
+            or self.max_failed_rounds < 1
+        ):
+            raise ConfigError(f"max_failed_rounds={self.max_failed_rounds!r} must be an integer >= 1, e.g. 3")
+        for name in ("penalty_s", "max_grad_rms", "max_activation_rms"):
             set_(self, name, _positive(name, getattr(self, name)))
         per_sender = self.max_queue_per_sender
         if per_sender is None:

@@ -172,6 +172,37 @@ class StageOptimizer:
             g.zero_()
         self.pending = 0
 
+    # ---- gradients combined across replicas (peer/replicas.py) -------------------------------
+
+    def take_gradients(self) -> tuple[list[torch.Tensor], int]:
+        """Hand over the accumulated gradient *sums* (in ``names`` order) and their micro-batch count;
+        accumulation restarts from zero (new buffers, so backwards arriving meanwhile are kept apart)."""
+        taken, count = [self.grads[n] for n in self.names], self.pending
+        self.grads = {n: torch.zeros_like(g) for n, g in self.grads.items()}
+        self.pending = 0
+        return taken, count
+
+    def give_back_gradients(self, sums: list[torch.Tensor], count: int) -> None:
+        """Undo :meth:`take_gradients` (a round that did not complete): add the sums back."""
+        with torch.no_grad():
+            for n, g in zip(self.names, sums, strict=True):
+                self.grads[n].add_(g.to(self.grads[n].device, self.grads[n].dtype))
+        self.pending += count
+
+    def step_with(self, mean_grads: list[torch.Tensor]) -> Params:
+        """One step with the given *mean* gradient (the replicas' combined one) instead of the local
+        accumulator, which is left as it is (backwards that arrived during the round stay in it)."""
+        kept, kept_count = self.grads, self.pending
+        device = next(iter(self.params.values())).device
+        self.grads = {
+            n: g.to(device, torch.float32, copy=True) for n, g in zip(self.names, mean_grads, strict=True)
+        }  # copies: step() zeroes them
+        self.pending = 1  # step() divides by pending: the gradient is already a mean
+        try:
+            return self.step()
+        finally:
+            self.grads, self.pending = kept, kept_count
+
     # ---- the step ----------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -32,10 +32,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import random
 import re
-import threading
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -59,6 +57,7 @@ from peer.protocol import (
     serve,
     unpack_tokens,
 )
+from peer.replicas import ReplicaRounds, RoundsConfig
 from peer.runtime import ComputeQueue
 from peer.stash import VersionEvicted
 from peer.throughput import measure_throughput
@@ -91,10 +90,9 @@ class StagePeer:
             "version_evicted": 0,
             "expired": 0,
             "moves": 0,
-            "averaging_rounds": 0,
             "refused_auth": 0,  # no valid join proof, listed, penalized (part of "refused")
             "penalized": 0,  # senders put in the penalty box for poison gradients
-            "averaging_skipped": 0,  # averaging results refused as non-finite or absurd
+            "dropped_on_leave": 0,  # accumulated micro-batches a replica dropped when leaving its stage
         }
         self.auth: Any = None  # swarm.auth.RunAuth once the spec is known
         self._penalties = PenaltyBox(config.penalty_s)
@@ -110,9 +108,8 @@ class StagePeer:
         self._tasks: set[asyncio.Task] = set()
         self._sends: set[asyncio.Future] = set()
         self._rng = random.Random()
-        self._averaging_thread: threading.Thread | None = None
-        self._last_averaged_step = 0
-        self._stop_averaging = threading.Event()
+        self._rounds: ReplicaRounds | None = None
+        self._round_counters: dict[str, int] = dict.fromkeys(ReplicaRounds.COUNTERS, 0)  # of stages left
         self._switch_lock = asyncio.Lock()
         self._codecs: tuple[Any, Any] | None = None
 
@@ -157,6 +154,9 @@ class StagePeer:
     def stats(self) -> dict[str, float]:
         """Counters, queue figures and stash figures, for status and tests."""
         out: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
+        rounds = self._rounds.counters if self._rounds is not None else {}
+        for k, v in self._round_counters.items():  # gradient rounds (peer/replicas.py), every stage served
+            out[k] = float(v + rounds.get(k, 0))
         if self._queue is not None:
             out.update({f"queue_{k}": v for k, v in self._queue.stats.as_dict().items()})
         if self._compute is not None:
@@ -168,6 +168,7 @@ class StagePeer:
                 version=float(c.version),
                 steps=float(c.steps_taken),
                 evicted_refusals=float(c.versions.evicted_refusals),
+                replicas=float(c.replicas),
             )
         return out
 
@@ -303,6 +304,7 @@ class StagePeer:
             spec_hash=self.spec.spec_hash,
             stage=stage,
             shapes=tensors,
+            grad_shapes=[compute.optimizer.params[n].shape for n in compute.optimizer.names],
             state_fn=self._donor_state,
             min_matchmaking_time_s=self.config.averaging_matchmaking_s,
         )
@@ -338,9 +340,62 @@ class StagePeer:
                 self.loaded_from = "checkpoint"
             else:
                 self.loaded_from = "seed"
-        self._last_averaged_step = compute.steps_taken
         self._averager.share_state(True, priority=compute.version)
+        compute.replicas = 1 + len(others)
+        self._rounds = ReplicaRounds(
+            compute,
+            self._averager,
+            peer_id=self.peer_id,
+            config=RoundsConfig(
+                timeout_s=self.spec.averaging.timeout_s,
+                max_failed_rounds=self.config.max_failed_rounds,
+            ),
+            replicas_fn=lambda: self._count_replicas(self._membership.stage_records(stage)),
+            catch_up=self._catch_up,
+        )
+        self._rounds.start()
         self._notify_queue()
+
+    def _count_replicas(self, records: dict[str, Any]) -> int:
+        """Online replicas of our stage, this peer included."""
+        return 1 + sum(1 for pid, r in records.items() if pid != self.peer_id and r.state == "online")
+
+    async def _refresh_replicas(self) -> None:
+        compute = self._compute
+        if compute is None:
+            return
+        records = await asyncio.to_thread(self._membership.stage_records, compute.stage)
+        compute.replicas = self._count_replicas(records)
+
+    def _catch_up(self, version: int) -> bool:
+        """Download the stage's state from a replica at ``version`` or newer and adopt it (rounds' thread)."""
+        compute, averager = self._compute, self._averager
+        if compute is None or averager is None:
+            return False
+        loaded = averager.load_state(self.config.state_timeout_s)
+        if loaded is None:
+            logger.warning(
+                "stage %d: no replica sent its state (wanted version %d); retrying next round",
+                compute.stage,
+                version,
+            )
+            return False
+        try:
+            adopted = compute.adopt_state(*loaded)
+        except RequestError as e:
+            logger.warning("refused the state a replica of stage %d sent: %s", compute.stage, e)
+            return False
+        if adopted:
+            averager.share_state(True, priority=compute.version)
+            logger.info("stage %d: caught up to version %d by state download", compute.stage, compute.version)
+        return adopted
+
+    async def _stop_rounds(self) -> None:
+        if self._rounds is not None:
+            await asyncio.to_thread(self._rounds.stop, self.spec.averaging.timeout_s + 5)
+            for k, v in self._rounds.counters.items():
+                self._round_counters[k] += v
+            self._rounds = None
 
     def _donor_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """What a joining peer downloads (called in hivemind's fetcher thread)."""
@@ -363,15 +418,13 @@ class StagePeer:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self._stop_averaging.set()
         if was_serving and self._compute is not None and self._queue is not None:
             await self._drain(self._compute)  # backwards of stashed micro-batches may still arrive
         if self._queue is not None:
             await asyncio.to_thread(self._queue.close, timeout_s=self.config.drain_timeout_s)
         if self._sends:
             await asyncio.wait(list(self._sends), timeout=min(5.0, self.config.request_timeout_s))
-        if self._averaging_thread is not None:
-            await asyncio.to_thread(self._averaging_thread.join, self.spec.averaging.timeout_s + 5)
+        await self._stop_rounds()
         if self._compute is not None and self.config.checkpoint_dir is not None:
             try:
                 await asyncio.to_thread(self._save_checkpoint)
@@ -442,7 +495,7 @@ class StagePeer:
                     await self._announce()
                     if self._averager is not None:
                         self._averager.share_state(True, priority=self.compute.version)
-                    await self._maybe_average()
+                    await self._refresh_replicas()
                     if self.config.rebalancing:
                         await self._maybe_move()
             except (SwarmError, OSError) as e:
@@ -466,12 +519,17 @@ class StagePeer:
             self.state = "leaving"
             await self._announce()
             await self._drain(old)
-            await asyncio.to_thread(old.flush_step)  # no accumulated gradient is lost by moving
-            self._stop_averaging.set()
-            if self._averaging_thread is not None:
-                await asyncio.to_thread(self._averaging_thread.join, self.spec.averaging.timeout_s + 5)
-            self._averaging_thread = None
-            self._stop_averaging = threading.Event()
+            await self._stop_rounds()
+            if old.replicas <= 1:
+                await asyncio.to_thread(old.flush_step)  # a lone replica loses no accumulated gradient
+            elif old.optimizer.pending:
+                # the stage's other replicas step on without them: say so (work lost, never silently)
+                self.counters["dropped_on_leave"] += old.optimizer.pending
+                logger.warning(
+                    "left stage %d with the gradients of %d micro-batches not yet combined; they are dropped",
+                    old.stage,
+                    old.optimizer.pending,
+                )
             if self._averager is not None:
                 await asyncio.to_thread(self._averager.shutdown)
                 self._averager = None
@@ -541,51 +599,6 @@ class StagePeer:
                 meta=meta,
             ),
         )
-
-    async def _maybe_average(self) -> None:
-        """Start a background averaging round when ``every_steps`` local steps passed and peers exist."""
-        every = self.spec.averaging.every_steps
-        compute = self._compute
-        if every == 0 or compute is None or self._averager is None:
-            return
-        if self._averaging_thread is not None and self._averaging_thread.is_alive():
-            return
-        if compute.steps_taken - self._last_averaged_step < every:
-            return
-        records = await asyncio.to_thread(self._membership.stage_records, compute.stage)
-        if not any(pid != self.peer_id and r.state == "online" for pid, r in records.items()):
-            return  # a lone peer just goes on
-        self._last_averaged_step = compute.steps_taken
-        averager, stop = self._averager, self._stop_averaging
-        self._averaging_thread = threading.Thread(
-            target=self._average_round, args=(compute, averager, stop), name="stage-averaging", daemon=True
-        )
-        self._averaging_thread.start()
-
-    def _average_round(self, compute: StageCompute, averager: StageAverager, stop: threading.Event) -> None:
-        _, state = compute.export_state()
-        timeout = max(self.spec.averaging.timeout_s, self.config.averaging_matchmaking_s + 1.0)
-        result = averager.average(state, weight=1.0, timeout_s=timeout)
-        if result is None or stop.is_set() or compute is not self._compute:
-            return
-        sent, averaged = result
-        problem = _average_problem(sent, averaged, self.config.max_average_shift)
-        if problem is not None:
-            # a faulty or malicious group member: keep the local weights, skip this round
-            self.counters["averaging_skipped"] += 1
-            logger.warning("skipping an averaging round of stage %d: %s", compute.stage, problem)
-            return
-        compute.apply_average(sent, averaged)
-        self.counters["averaging_rounds"] += 1
-
-    async def average_now(self) -> bool:
-        """Run one averaging round now (tests, demos); True if it completed and was applied."""
-        compute, averager = self.compute, self._averager
-        if averager is None:
-            return False
-        before = self.counters["averaging_rounds"]
-        await asyncio.to_thread(self._average_round, compute, averager, self._stop_averaging)
-        return self.counters["averaging_rounds"] > before
 
     # ------------------------------------------------------------------------------- handlers
 
@@ -980,19 +993,6 @@ class StagePeer:
 
 class PoisonError(RequestError):
     """A tensor from a peer holds NaN/Inf or absurd magnitudes."""
-
-
-def _average_problem(sent: list[torch.Tensor], averaged: list[torch.Tensor], max_shift: float) -> str | None:
-    """Why an averaging result must not be applied (non-finite, or too far from our weights), or None."""
-    if not all(bool(torch.isfinite(t).all()) for t in averaged):
-        return "the averaged state holds NaN or Inf"
-    shift = math.sqrt(sum(float((a - s).double().pow(2).sum()) for s, a in zip(sent, averaged, strict=True)))
-    norm = math.sqrt(sum(float(s.double().pow(2).sum()) for s in sent))
-    if shift > max_shift * max(norm, 1e-12):
-        return (
-            f"the averaged state is {shift:.3g} away from ours (norm {norm:.3g}), over {max_shift:g}x: absurd"
-        )
-    return None
 
 
 def _decodable_codecs() -> tuple[str, ...]:

@@ -53,7 +53,7 @@ DEFAULT_DEMO_SPEC: dict[str, Any] = {
     "stages": 2,
     "codecs": {"activations": "blockwise8", "gradients": "blockwise8"},
     "optimizer": {"name": "adamw", "lr": 3e-3, "mode": "async"},
-    "averaging": {"every_steps": 10, "timeout_s": 20},
+    "averaging": {"timeout_s": 5},
     "micro_batch_size": 8,
     "autocast": "auto",
     "stash_ttl_s": 120,

@@ -14,7 +14,7 @@ Layout of a spec (YAML or dict)::
     codecs: {activations: blockwise8, gradients: blockwise8}
     optimizer: {name?, lr?, schedule?, warmup_steps?, total_steps?, min_lr_ratio?, weight_decay?,
                 betas?, momentum?, accumulate?, clip_norm?, mode?, max_versions?, recompute?}
-    averaging: {every_steps?, timeout_s?}
+    averaging: {timeout_s?}
     micro_batch_size: 8
     autocast: auto                   # auto | none | bf16 | fp16
     stash_ttl_s: 120
@@ -617,23 +617,19 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AveragingConfig:
-    """Periodic parameter averaging among peers that serve the same stage."""
+    """Gradient rounds among the replicas of a stage (peer/replicas.py): with several online replicas
+    a stage steps once per ``optimizer.accumulate`` micro-batches *of the whole stage*, on the mean
+    gradient over all of them, so every replica holds the same weights and version."""
 
     _SECTION: ClassVar[str] = "averaging"
 
-    every_steps: int = 10
-    """Average after every this many local optimizer steps; 0 = never average."""
-    timeout_s: float = 20.0
-    """Seconds one averaging round may take before it is abandoned (training continues)."""
+    timeout_s: float = 5.0
+    """Seconds a gradient round waits for every online replica of the stage; after that the gradients
+    are kept for the next round (a replica steps alone after a few failures, the others catch up by
+    download). Raise it on slow links if peers report many failed rounds."""
 
     def __post_init__(self) -> None:
         s = self._SECTION
-        _check_int(
-            f"{s}.every_steps",
-            self.every_steps,
-            lo=0,
-            hint="Use 0 to disable averaging, or a step period such as 10.",
-        )
         _set(
             self,
             "timeout_s",
@@ -642,7 +638,7 @@ class AveragingConfig:
                 self.timeout_s,
                 gt=0.0,
                 le=3600.0,
-                hint="Use a few tens of seconds, e.g. 20.",
+                hint="Use a few seconds, e.g. 5 (more on slow links).",
             ),
         )
 

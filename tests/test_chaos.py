@@ -39,7 +39,7 @@ SPEC = {
     "stages": 2,
     "codecs": {"activations": "blockwise8", "gradients": "blockwise8"},
     "optimizer": {"lr": 1e-2, "max_versions": 16},
-    "averaging": {"every_steps": 0},
+    "averaging": {},
     "micro_batch_size": 4,
 }
 

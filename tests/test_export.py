@@ -52,7 +52,7 @@ def small_spec(run_id: str = "exp", *, subspace: dict | None = None, rope_theta:
             "stages": 2,
             "codecs": {"activations": "none", "gradients": "none"},
             "optimizer": {"name": "adamw", "lr": 1e-2, "mode": "sync", "accumulate": 1},
-            "averaging": {"every_steps": 0},
+            "averaging": {},
             "micro_batch_size": 2,
         }
     )

@@ -68,7 +68,7 @@ def private_spec(run_id: str, secret: bytes | None, stages: int = 3, **over) -> 
             "clip_norm": 1.0,
             "max_versions": 16,
         },
-        "averaging": {"every_steps": 0},
+        "averaging": {},
         "micro_batch_size": 2,
         "stash_ttl_s": 30,
     } | over

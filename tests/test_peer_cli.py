@@ -62,7 +62,7 @@ def _gone(procs: list[psutil.Process], timeout_s: float = 10) -> bool:
 
 
 def test_cli_peer_serves_stops_cleanly_and_resumes(tmp_path):
-    spec = spec_for("cli1", stages=1, every_steps=0)
+    spec = spec_for("cli1", stages=1)
     ckpt = str(tmp_path / "ckpt")
 
     async def main():

@@ -1,4 +1,4 @@
-"""The compute core without network: sync-mode gating, version eviction, last-stage train step, averaging deltas."""
+"""The compute core without network: sync-mode gating, version eviction, last-stage train step, replica rounds."""
 
 import pytest
 import torch
@@ -90,14 +90,70 @@ def test_stash_expiry_releases_entries():
     assert comp.forward_allowed() and comp.stash.expired == 1
 
 
-def test_apply_average_keeps_local_progress():
-    comp = StageCompute(spec(accumulate=1), 0)
-    _, sent = comp.export_state()
-    averaged = [t + 1.0 for t in sent]
-    comp.forward("a", tokens(0), "train")
-    comp.backward("a", grad(0))  # a local step while the round ran
-    before = {n: t.clone() for n, t in comp.params().items()}
-    comp.apply_average(sent, averaged)
-    assert comp.version == 2
+def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
+    comp = StageCompute(spec(accumulate=4), 0)
+    comp.replicas = 2
+    due = []
+    comp.on_round_due = lambda: due.append(comp.optimizer.pending)
+    assert comp.quota() == 2
+    for i, mb in enumerate("ab"):
+        comp.forward(mb, tokens(i), "train")
+        comp.backward(mb, grad(i))
+    assert comp.version == 0 and due == [2]  # its share is in: a round is due, no local step
+    assert comp.round_due(idle_s=10.0)
+    sums, count, version = comp.take_round()
+    assert count == 2 and comp.optimizer.pending == 0 and not comp.round_due(idle_s=0.0)
+    comp.forward("c", tokens(2), "train")  # async: serving goes on while the round runs
+    comp.backward("c", grad(2))
+    assert comp.optimizer.pending == 1  # kept apart for the next round
+    # the other replica contributed the same again: the mean over 4 is the mean over our 2
+    mean = [s / count for s in sums]
+    ref = StageCompute(spec(accumulate=2), 0)
+    for i, mb in enumerate("ab"):
+        ref.forward(mb, tokens(i), "train")
+        ref.backward(mb, grad(i))
+    assert comp.end_round(mean, version, None)
+    assert comp.version == 1 and comp.optimizer.pending == 1
     for n, t in comp.params().items():
-        torch.testing.assert_close(t, before[n] + 1.0)
+        torch.testing.assert_close(t, ref.params()[n])
+    # a failed round gives the sums back; a round for an older version does not step
+    sums, count, version = comp.take_round()
+    assert not comp.end_round(None, version, (sums, count))
+    assert comp.optimizer.pending == 1 and comp.version == 1
+    assert not comp.end_round([s for s in sums], version - 1, None)
+
+
+def test_a_replica_adopts_a_newer_state_keeping_its_in_flight_work():
+    donor = StageCompute(spec(accumulate=1), 0)
+    for i in range(2):
+        donor.forward(f"d{i}", tokens(i), "train")
+        donor.backward(f"d{i}", grad(i))
+    comp = StageCompute(spec(accumulate=1), 0)
+    comp.replicas = 2
+    comp.forward("x", tokens(5), "train")  # in flight on version 0
+    comp.forward("y", tokens(6), "train")
+    comp.backward("y", grad(6))  # pending, not stepped (replicated)
+    meta, tensors = donor.export_state()
+    assert comp.adopt_state(meta, tensors) and comp.version == 2
+    assert not comp.adopt_state(meta, tensors)  # not newer: nothing changes
+    for n, t in comp.params().items():
+        torch.testing.assert_close(t, donor.params()[n])
+    assert comp.optimizer.pending == 1 and "x" in comp.stash
+    comp.backward("x", grad(5))  # still runs on version 0, which is kept
+    assert comp.optimizer.pending == 2
+    with pytest.raises(RequestError, match="stage"):
+        comp.adopt_state(meta | {"stage": 1, "version": 9}, tensors)
+    assert comp.version == 2
+
+
+def test_sync_replica_waits_for_its_round():
+    comp = StageCompute(spec(mode="sync", accumulate=2), 0)
+    comp.replicas = 2
+    comp.forward("a", tokens(0), "train")
+    assert not comp.forward_allowed()  # its share (1 of 2) is in flight
+    comp.backward("a", grad(0))
+    assert comp.version == 0 and comp.round_due(idle_s=10.0)
+    sums, count, version = comp.take_round()
+    assert not comp.forward_allowed()  # sync: the window's forwards wait for the combined step
+    comp.end_round([s / count for s in sums], version, None)
+    assert comp.version == 1 and comp.forward_allowed()

@@ -47,7 +47,7 @@ def tiny_spec(run_id: str, stages: int = 3, subspace: dict | None = None, **opti
             "stages": stages,
             "codecs": {"activations": "none", "gradients": "none"},
             "optimizer": opt,
-            "averaging": {"every_steps": 0},
+            "averaging": {},
             "micro_batch_size": 2,
             "stash_ttl_s": 30,
         }

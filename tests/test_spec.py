@@ -83,7 +83,7 @@ def test_defaults():
     assert (opt.name, opt.lr, opt.schedule, opt.warmup_steps) == ("adamw", 3e-3, "constant", 0)
     assert (opt.betas, opt.weight_decay, opt.accumulate, opt.clip_norm) == ((0.9, 0.95), 0.0, 1, 1.0)
     assert (opt.mode, opt.max_versions, opt.recompute, opt.momentum) == ("async", 3, True, 0.9)
-    assert spec.averaging == AveragingConfig(every_steps=10, timeout_s=20.0)
+    assert spec.averaging == AveragingConfig(timeout_s=5.0)
     assert (spec.seed, spec.autocast, spec.stash_ttl_s) == (0, "auto", 120.0)
     assert spec.model.ffn_hidden is None and spec.model.ffn_hidden_size == 192  # ceil(64*8/3 / 32) * 32
     assert ModelConfig(vocab_size=256, d_model=128, n_layers=1, n_heads=1, seq_len=8).ffn_hidden_size == 352
@@ -239,10 +239,8 @@ BAD_VALUES = [
     ("optimizer.max_versions", 0, ">= 1"),
     ("optimizer.max_versions", 65, "<= 64"),
     ("optimizer.recompute", "yes", "true or false"),
-    ("averaging.every_steps", -1, ">= 0"),
     ("averaging.timeout_s", 0, "> 0.0"),
     ("averaging.timeout_s", 4000, "<= 3600.0"),
-    ("averaging.every_steps", 1.5, "must be an integer"),
     ("micro_batch_size", 0, ">= 1"),
     ("micro_batch_size", 2.5, "must be an integer"),
     ("seed", -1, ">= 0"),

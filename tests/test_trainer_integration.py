@@ -27,7 +27,7 @@ TINY = {
     "stages": 2,
     "codecs": {"activations": "blockwise8", "gradients": "blockwise8"},
     "optimizer": {"lr": 1e-2},
-    "averaging": {"every_steps": 0},
+    "averaging": {},
     "micro_batch_size": 4,
 }
 

@@ -1,0 +1,235 @@
+"""Replicas of a stage train as one model: the stage's optimizer step is collective.
+
+Note "replica rounds"
+---------------------
+A stage step is a property of the stage, not of one replica. ``optimizer.accumulate`` is the number
+of micro-batches in one stage step, whatever the number of replicas. With ``R`` online replicas
+each one accumulates its share (``ceil(accumulate / R)``, :meth:`StageCompute.quota`) and then joins
+a *round* (``StageAverager.combine``): a hivemind all-reduce over exactly the ``R`` replicas
+(min group size = target group size = ``R``) of the gradient sums and micro-batch counts. The
+result is the stage's mean gradient over every micro-batch of the round, and every member applies
+the same optimizer step to the same state, so replicas hold the same weights and the same version
+numbers. A replica holding less than its share joins once no gradient came for ``idle_s``, and an idle
+replica (nothing pending, nothing in flight) joins with nothing whenever another replica waits for a
+group (its matchmaking declaration is in the DHT), so a step never waits for a replica without work.
+
+While a round runs, an async replica keeps serving: forwards use the current version, and
+backwards accumulate into a fresh buffer for the next round (so a round adds at most one step of
+staleness). In sync mode forwards wait for the round (``StageCompute.forward_allowed``).
+
+Consistency (checked on every round, from what the members ``gather``):
+- a member whose version is behind the group's newest (it missed a round, or joined while the
+  others stepped) contributes its gradient but does not step: it downloads the state of a replica
+  at the newest version (:meth:`StageCompute.adopt_state`, which keeps its stash and its pending
+  gradients) -- it catches up by download, never by diverging;
+- members at the same version compare weight digests; one that differs from the group's lowest
+  peer id beyond rounding (``DIGEST_RTOL``) downloads too (``diverged`` counts it).
+
+When no full group forms within ``timeout_s`` the taken gradients go back into the accumulator and
+the round is retried. After ``max_failed_rounds`` failures in a row (a replica died and its record
+has not expired, or a partner stopped receiving micro-batches) the replica steps alone with what it
+holds (``solo_steps``); the others see the newer version in their next round and download it.
+With one online replica there are no rounds: the stage steps locally, as without replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peer.averaging import StageAverager
+from peer.compute import StageCompute
+
+__all__ = ["ReplicaRounds", "RoundsConfig", "round_outcome"]
+
+logger = logging.getLogger(__name__)
+
+DIGEST_RTOL = 1e-4  # weight digests of replicas that differ by rounding only agree far closer than this
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundsConfig:
+    """How a replica takes part in gradient rounds."""
+
+    timeout_s: float = 5.0
+    """Seconds a round waits for a full group before the gradients go back and it is retried."""
+    idle_s: float = 0.5
+    """Join a round with less than the quota after this long without a new gradient."""
+    max_failed_rounds: int = 3
+    """Failed rounds in a row after which this replica steps alone (the others catch up by download)."""
+
+
+@dataclass
+class Outcome:
+    """What one completed round means for this replica."""
+
+    step: bool  # apply the combined gradient
+    catch_up: bool  # download the state of a newer (or the reference) replica
+    newest: int  # the newest version in the group
+    diverged: bool = False
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return all(math.isclose(x, y, rel_tol=DIGEST_RTOL, abs_tol=1e-6) for x, y in zip(a, b, strict=True))
+
+
+def round_outcome(me: str, version: int, gathered: dict[str, dict[str, Any]]) -> Outcome:
+    """Decide from the members' ``{"version", "digest"}`` whether ``me`` steps or catches up (pure)."""
+    versions = {pid: int(g.get("version", -1)) for pid, g in gathered.items()}
+    newest = max(versions.values(), default=version)
+    if version < newest:
+        return Outcome(step=False, catch_up=True, newest=newest)
+    peers = sorted(pid for pid, v in versions.items() if v == version)
+    reference = gathered[peers[0]].get("digest") if peers else None
+    mine = gathered.get(me, {}).get("digest")
+    if reference is not None and mine is not None and not _close(list(reference), list(mine)):
+        return Outcome(step=False, catch_up=True, newest=newest, diverged=True)
+    return Outcome(step=True, catch_up=False, newest=newest)
+
+
+class ReplicaRounds:
+    """The thread that runs a replica's gradient rounds (see the module note).
+
+    ``replicas_fn`` returns the number of online replicas of the stage, this one included (from the
+    DHT records; called after a failed round). ``catch_up(version)`` downloads and adopts the state
+    of a replica at ``version`` or newer; it returns whether it did.
+    """
+
+    COUNTERS = (
+        "rounds",  # completed rounds this replica stepped with
+        "rounds_failed",  # no full group in time (the gradients went back and were retried)
+        "solo_steps",  # steps taken alone after max_failed_rounds failures in a row
+        "caught_up",  # state downloads after a round showed this replica behind
+        "diverged",  # rounds that found this replica's weights off its group's
+        "micro_batches_combined",  # stage-wide micro-batches of the rounds this replica stepped with
+    )
+
+    def __init__(
+        self,
+        compute: StageCompute,
+        averager: StageAverager,
+        *,
+        peer_id: str,
+        config: RoundsConfig,
+        replicas_fn: Callable[[], int],
+        catch_up: Callable[[int], bool],
+    ):
+        self.compute = compute
+        self.averager = averager
+        self.peer_id = peer_id
+        self.config = config
+        self._replicas_fn = replicas_fn
+        self._catch_up = catch_up
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.counters = dict.fromkeys(self.COUNTERS, 0)
+        self.failed_in_a_row = 0
+        self.last_round_size = 0
+        compute.on_round_due = self._wake.set
+        self._thread = threading.Thread(target=self._run, name=f"replica-rounds-{compute.stage}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        if self.compute.on_round_due == self._wake.set:
+            self.compute.on_round_due = lambda: None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(timeout=min(0.2, self.config.idle_s))
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                compute = self.compute
+                if compute.replicas <= 1:
+                    continue
+                if compute.round_due(self.config.idle_s):
+                    self.run_round()
+                elif compute.idle() and self.averager.others_waiting():
+                    self.run_round()  # nothing to add, but the stage's step needs every replica
+        except Exception:  # a bug here must not leave a peer that silently never steps
+            logger.exception(
+                "replica rounds of stage %d crashed; the peer steps alone from now on", self.compute.stage
+            )
+            self.compute.replicas = 1
+            raise
+
+    def run_round(self) -> bool:
+        """One round now (blocking); True when this replica stepped with the combined gradient."""
+        compute = self.compute
+        group = max(2, compute.replicas)
+        sums, count, version = compute.take_round()
+        gather = {"version": version, "digest": compute.digest(), "count": count}
+        result = self.averager.combine(
+            sums, count, group_size=group, gather=gather, timeout_s=self.config.timeout_s
+        )
+        if result is None:
+            return self._failed(sums, count, version)
+        flat, mean_count, gathered = result
+        self.failed_in_a_row = 0
+        self.last_round_size = len(gathered)
+        outcome = round_outcome(self.peer_id, version, gathered)
+        mean = None
+        if outcome.step and mean_count > 0 and bool(torch.isfinite(flat).all()):
+            mean = self._unflatten(flat / mean_count)
+        elif outcome.step and mean_count > 0:
+            logger.warning("stage %d: a gradient round returned NaN or Inf; not applied", compute.stage)
+        stepped = compute.end_round(mean, version, None)
+        if stepped:
+            self.counters["rounds"] += 1
+            self.counters["micro_batches_combined"] += round(mean_count * len(gathered))
+        if outcome.diverged:
+            self.counters["diverged"] += 1
+            logger.warning(
+                "stage %d: this replica's weights differ from its group's at version %d; downloading them",
+                compute.stage,
+                version,
+            )
+        if outcome.catch_up and self._catch_up(outcome.newest):
+            self.counters["caught_up"] += 1
+        return stepped
+
+    def _failed(self, sums: list[torch.Tensor], count: int, version: int) -> bool:
+        compute = self.compute
+        self.counters["rounds_failed"] += 1
+        self.failed_in_a_row += 1
+        compute.end_round(None, version, (sums, count))
+        try:
+            compute.replicas = max(1, int(self._replicas_fn()))
+        except Exception as e:  # noqa: BLE001 -- a DHT hiccup: keep the count we have
+            logger.info("could not refresh the replica count of stage %d: %s", compute.stage, e)
+        if compute.replicas <= 1:  # alone now: the stage steps locally again (StageCompute._maybe_step)
+            self.failed_in_a_row = 0
+            with compute.lock:
+                compute._maybe_step()
+        elif self.failed_in_a_row >= self.config.max_failed_rounds:
+            if compute.flush_step():
+                self.counters["solo_steps"] += 1
+                logger.info(
+                    "stage %d: %d gradient rounds failed in a row; stepped alone (others catch up by download)",
+                    compute.stage,
+                    self.failed_in_a_row,
+                )
+            self.failed_in_a_row = 0
+        return False
+
+    def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        opt = self.compute.optimizer
+        shapes = [opt.params[n].shape for n in opt.names]
+        sizes = [s.numel() for s in shapes]
+        return [p.reshape(s) for p, s in zip(flat.split(sizes), shapes, strict=True)]
