@@ -181,7 +181,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r} must look like optimizer.lr=2e-3 (a dotted spec key = a value)")
-    return key.strip(), yaml.safe_load(value)
+    parsed = yaml.safe_load(value)
+    if isinstance(
+        parsed, str
+    ):  # YAML 1.1 reads 2e-3 (no dot) as a string; the spec files read it as a number
+        with contextlib.suppress(ValueError):
+            parsed = float(parsed)
+    return key.strip(), parsed
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
