@@ -31,9 +31,9 @@ version tensors.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -129,6 +129,9 @@ class StageCompute:
         self.on_round_due: Callable[[], None] = lambda: None  # wakes the replica rounds' thread
         self.last_gradient_at = clock()
         self._round_active = False  # sync mode: forwards wait while a round combines this window
+        # shares complete while a round ran wait here, oldest first: every round takes exactly one
+        # share of each replica, so a slow round never merges several steps' micro-batches into one
+        self._ready: deque[tuple[list[torch.Tensor], int]] = deque()
         self._digest_cache: tuple[int, list[float]] | None = None
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -168,7 +171,11 @@ class StageCompute:
         return self.boundary.encode_grad(grad_input.detach()).float().cpu()
 
     def forward_allowed(self) -> bool:
-        """The runtime's forward gate: False in sync mode once this step's forwards have all started."""
+        """The runtime's forward gate: False in sync mode once this step's forwards have all started,
+        and in either mode while a replica's complete share already waits for the next round
+        (backpressure: the trainer cannot run ahead of the stage's steps and pile up stale gradients)."""
+        if self._ready:
+            return False
         if not self.sync:
             return True
         if self._round_active:
@@ -180,8 +187,9 @@ class StageCompute:
 
     def quota(self) -> int:
         """Micro-batches this replica contributes to one stage step: the stage's ``accumulate``
-        shared among its online replicas (all of it for a lone peer)."""
-        return max(1, math.ceil(self.spec.optimizer.accumulate / max(1, self.replicas)))
+        shared among its online replicas (all of it for a lone peer). A stage step then combines
+        ``replicas x quota`` micro-batches: exactly ``accumulate`` when the replicas divide it."""
+        return max(1, round(self.spec.optimizer.accumulate / max(1, self.replicas)))
 
     def params(self) -> Params:
         """The latest served weights (read-only tensors)."""
@@ -370,6 +378,7 @@ class StageCompute:
         self.last_gradient_at = self.stash.clock()
         if self.replicas > 1:
             if self.optimizer.pending >= self.quota():
+                self._ready.append(self.optimizer.take_gradients())
                 self.on_round_due()
             return False
         if not self.optimizer.ready:
@@ -414,8 +423,10 @@ class StageCompute:
         return gone
 
     def flush_step(self) -> bool:
-        """Step now if any gradients are pending (e.g. before leaving a stage)."""
+        """Step now, alone, with every gradient not yet used (e.g. before leaving a stage, or a replica
+        whose rounds keep failing)."""
         with self.lock:
+            self._merge_ready()
             if self.optimizer.pending == 0:
                 return False
             served = self.optimizer.step()
@@ -451,6 +462,7 @@ class StageCompute:
             self.version = version
             self.versions.reset(version, self.optimizer.served())
             self.stash = MicroBatchStash(self.spec.stash_ttl_s, clock=self.stash.clock)
+            self._ready.clear()
             self._window_forwards = 0
         self.on_gate_change()
 
@@ -477,34 +489,54 @@ class StageCompute:
         """This replica should join a round: its share of the stage batch is in, or it holds some
         gradient and none arrived for ``idle_s`` (the trainer sent its micro-batches elsewhere)."""
         with self.lock:
-            pending = self.optimizer.pending
-            if pending == 0 or self._round_active:
+            if self._round_active:
                 return False
-            if pending >= self.quota():
+            if self._ready:
                 return True
+            if self.optimizer.pending == 0:
+                return False
             return self.stash.clock() - self.last_gradient_at >= idle_s and len(self.stash) == 0
 
     def idle(self) -> bool:
         """Nothing pending, nothing awaiting its backward, no round running."""
         with self.lock:
-            return self.optimizer.pending == 0 and len(self.stash) == 0 and not self._round_active
+            return (
+                self.optimizer.pending == 0
+                and not self._ready
+                and len(self.stash) == 0
+                and not self._round_active
+            )
+
+    def uncombined(self) -> int:
+        """Micro-batches whose gradients no step has used yet (accumulating or waiting for a round)."""
+        with self.lock:
+            return self.optimizer.pending + sum(count for _, count in self._ready)
+
+    def _merge_ready(self) -> None:
+        """Put the shares waiting for a round back into the accumulator (a local step takes them all)."""
+        while self._ready:
+            self.optimizer.give_back_gradients(*self._ready.popleft())
 
     def take_round(self) -> tuple[list[torch.Tensor], int, int]:
-        """Start a round: ``(gradient sums, micro-batch count, version)``; accumulation restarts."""
+        """Start a round: ``(gradient sums, micro-batch count, version)`` of the oldest complete share, or
+        of what has accumulated (an idle replica's partial share); accumulation goes on apart."""
         with self.lock:
-            sums, count = self.optimizer.take_gradients()
+            sums, count = self._ready.popleft() if self._ready else self.optimizer.take_gradients()
             self._round_active = True
-            return sums, count, self.version
+            version = self.version
+        self.on_gate_change()
+        return sums, count, version
 
     def end_round(
         self, mean: list[torch.Tensor] | None, version: int, back: tuple[list[torch.Tensor], int] | None
     ) -> bool:
         """Finish a round: step with the combined ``mean`` gradient if this replica still is at ``version``
-        (True), or give ``back`` the taken sums when the round failed. Returns whether it stepped."""
+        (True), or give ``back`` the taken share when the round failed (the next round retries it
+        first). Returns whether it stepped."""
         stepped = False
         with self.lock:
             if back is not None:
-                self.optimizer.give_back_gradients(*back)
+                self._ready.appendleft(back)  # retried first
             if mean is not None and self.version == version:
                 served = self.optimizer.step_with(mean)
                 self._push_version(served)

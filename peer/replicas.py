@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,7 @@ class ReplicaRounds:
         "caught_up",  # state downloads after a round showed this replica behind
         "diverged",  # rounds that found this replica's weights off its group's
         "micro_batches_combined",  # stage-wide micro-batches of the rounds this replica stepped with
+        "round_ms",  # milliseconds spent in completed rounds (waiting for the group included)
     )
 
     def __init__(
@@ -173,6 +175,7 @@ class ReplicaRounds:
         """One round now (blocking); True when this replica stepped with the combined gradient."""
         compute = self.compute
         group = max(2, compute.replicas)
+        t0 = time.perf_counter()
         sums, count, version = compute.take_round()
         gather = {"version": version, "digest": compute.digest(), "count": count}
         result = self.averager.combine(
@@ -181,6 +184,13 @@ class ReplicaRounds:
         if result is None:
             return self._failed(sums, count, version)
         flat, mean_count, gathered = result
+        logger.info(
+            "ROUNDDBG v%d count %d total %.1f took %.3f s",
+            version,
+            count,
+            mean_count * len(gathered),
+            time.perf_counter() - t0,
+        )
         self.failed_in_a_row = 0
         self.last_round_size = len(gathered)
         outcome = round_outcome(self.peer_id, version, gathered)

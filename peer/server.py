@@ -522,13 +522,13 @@ class StagePeer:
             await self._stop_rounds()
             if old.replicas <= 1:
                 await asyncio.to_thread(old.flush_step)  # a lone replica loses no accumulated gradient
-            elif old.optimizer.pending:
+            elif old.uncombined():
                 # the stage's other replicas step on without them: say so (work lost, never silently)
-                self.counters["dropped_on_leave"] += old.optimizer.pending
+                self.counters["dropped_on_leave"] += old.uncombined()
                 logger.warning(
                     "left stage %d with the gradients of %d micro-batches not yet combined; they are dropped",
                     old.stage,
-                    old.optimizer.pending,
+                    old.uncombined(),
                 )
             if self._averager is not None:
                 await asyncio.to_thread(self._averager.shutdown)

@@ -94,7 +94,7 @@ def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
     comp = StageCompute(spec(accumulate=4), 0)
     comp.replicas = 2
     due = []
-    comp.on_round_due = lambda: due.append(comp.optimizer.pending)
+    comp.on_round_due = lambda: due.append(comp.uncombined())
     assert comp.quota() == 2
     for i, mb in enumerate("ab"):
         comp.forward(mb, tokens(i), "train")
@@ -102,10 +102,10 @@ def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
     assert comp.version == 0 and due == [2]  # its share is in: a round is due, no local step
     assert comp.round_due(idle_s=10.0)
     sums, count, version = comp.take_round()
-    assert count == 2 and comp.optimizer.pending == 0 and not comp.round_due(idle_s=0.0)
+    assert count == 2 and comp.uncombined() == 0 and not comp.round_due(idle_s=0.0)
     comp.forward("c", tokens(2), "train")  # async: serving goes on while the round runs
     comp.backward("c", grad(2))
-    assert comp.optimizer.pending == 1  # kept apart for the next round
+    assert comp.uncombined() == 1  # kept apart for the next round
     # the other replica contributed the same again: the mean over 4 is the mean over our 2
     mean = [s / count for s in sums]
     ref = StageCompute(spec(accumulate=2), 0)
@@ -113,13 +113,17 @@ def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
         ref.forward(mb, tokens(i), "train")
         ref.backward(mb, grad(i))
     assert comp.end_round(mean, version, None)
-    assert comp.version == 1 and comp.optimizer.pending == 1
+    assert comp.version == 1 and comp.uncombined() == 1
     for n, t in comp.params().items():
         torch.testing.assert_close(t, ref.params()[n])
-    # a failed round gives the sums back; a round for an older version does not step
+    # a failed round gives the share back (retried first); a round for an older version does not step
+    comp.forward("d", tokens(3), "train")
+    comp.backward("d", grad(3))  # a second complete share waits behind the first
     sums, count, version = comp.take_round()
+    assert count == 2 and comp.uncombined() == 0
     assert not comp.end_round(None, version, (sums, count))
-    assert comp.optimizer.pending == 1 and comp.version == 1
+    assert comp.uncombined() == 2 and comp.version == 1 and comp.round_due(idle_s=10.0)
+    assert comp.take_round()[1] == 2
     assert not comp.end_round([s for s in sums], version - 1, None)
 
 
@@ -138,9 +142,9 @@ def test_a_replica_adopts_a_newer_state_keeping_its_in_flight_work():
     assert not comp.adopt_state(meta, tensors)  # not newer: nothing changes
     for n, t in comp.params().items():
         torch.testing.assert_close(t, donor.params()[n])
-    assert comp.optimizer.pending == 1 and "x" in comp.stash
+    assert comp.uncombined() == 1 and "x" in comp.stash
     comp.backward("x", grad(5))  # still runs on version 0, which is kept
-    assert comp.optimizer.pending == 2
+    assert comp.uncombined() == 2
     with pytest.raises(RequestError, match="stage"):
         comp.adopt_state(meta | {"stage": 1, "version": 9}, tensors)
     assert comp.version == 2
