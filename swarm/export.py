@@ -638,7 +638,13 @@ def download_stage_states(
         shapes, state_names, layout = _state_layout(spec, module)
         t0 = time.monotonic()
         averager = StageAverager.create(
-            dht, run_id=spec.run_id, spec_hash=spec.spec_hash, stage=stage, shapes=layout, state_fn=_no_state
+            dht,
+            run_id=spec.run_id,
+            spec_hash=spec.spec_hash,
+            stage=stage,
+            shapes=layout,
+            grad_shapes=[],  # an exporter only downloads: it never joins a gradient round
+            state_fn=_no_state,
         )
         try:
             averager.wait_ready(min(30.0, state_timeout_s))
