@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup test test-fast demo lint bench bench-links bench-links-quick clean
+.PHONY: setup test test-fast demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ bench-links: setup
 
 bench-links-quick: setup
 	$(BIN)/python -m benchmarks.links --quick
+
+# Training quality: swarms on loopback vs one process (108 runs, hours on 2 cores; --quick: minutes).
+bench-convergence: setup
+	$(BIN)/python -m benchmarks.convergence
+
+bench-convergence-quick: setup
+	$(BIN)/python -m benchmarks.convergence --quick
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

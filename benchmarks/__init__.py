@@ -7,5 +7,8 @@
 - ``single_process.py``: the same model trained in one process (the compute-bound limit).
 - ``links.py``: the swarm vs. the baselines over shaped links (throughput, bytes, memory, convergence).
 - ``markdown.py``: each benchmark rewrites only its own section of ``BENCHMARKS.md``.
+- ``convergence.py``: held-out loss of loopback swarms (1/2/4 peers per stage, sync/async, codecs,
+  subspace, churn) vs. the same training in one process, over seeds and two corpora.
+- ``report.py``: what every report shares (machine description, table cells, smoothed curves).
 - ``subspace_convergence.py``: subspace-constrained models (k = d/32, d/100) vs. the ordinary model.
 """

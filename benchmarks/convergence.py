@@ -37,10 +37,11 @@ Each swarm run is a worker process of its own (``--worker``), in its own session
 children. On Ctrl-C or SIGTERM the worker gets SIGTERM and stops its swarm (``Demo.shutdown``); whatever
 is left after a grace period is SIGKILLed, and the stale hivemind socket files are removed.
 
-Note [accumulate]: ``optimizer.accumulate`` is micro-batches per optimizer step of the *stage*; the
-references step every ``accumulate`` micro-batches. (Until stage replicas share one step, each replica of
-a stage steps on its own ``accumulate`` micro-batches, i.e. ``P`` times fewer, larger-noise steps per
-replica, joined by parameter averaging: part of what the ratios of P >= 2 measure.)
+Note [accumulate]: ``optimizer.accumulate`` is micro-batches per optimizer step of a *stage*, across all of
+its replicas (peer/replicas.py: the replicas of a stage sum their gradients in a round and step as one);
+the references step every ``accumulate`` micro-batches, so at equal tokens both sides take the same number
+of steps. The exported stages' step counts are in each run's ``export`` record (compare them with
+``micro_batches / accumulate``).
 
 Corpora (``CORPORA``): ``stdlib`` = swarm.data's default (the standard library's ``.py`` sources, the first
 ``data_bytes``); ``pydoc`` = Python's own reference documentation, the text ``help()`` shows
@@ -1046,7 +1047,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         f"Model: `{cfg['spec_path']}` with {cfg['overrides']} ({report['n_params'] / 1e6:.2f}M parameters, "
         f"{report['num_stages']} stages, micro-batch {report['micro_batch']}); optimizer {report['optimizer']}. "
         f"Every run: {cfg['micro_batches']} micro-batches ({cfg['micro_batches'] * report['tokens_per_mb']:,} "
-        f"tokens); held-out loss of the final (for a swarm: exported) model on {cfg['eval_tokens']:,} held-out "
+        f"tokens, {cfg['micro_batches'] // report['optimizer'].get('accumulate', 1)} optimizer steps per stage); "
+        f"held-out loss of the final (for a swarm: exported) model on {cfg['eval_tokens']:,} held-out "
         f"tokens; seeds {seeds} (data stream and initial weights); in-flight micro-batches "
         f"{cfg['max_inflight'] or '2 x peers per stage x stages'}.",
         "",
@@ -1062,8 +1064,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         "applies to the mean of 3 seeds.",
         "",
         "| configuration | corpus | seeds | held-out loss | ratio | min..max | target | | tokens/s | s per run "
-        "| peers killed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peers killed | exported stage steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in a["rows"]:
         spread = (
@@ -1076,11 +1078,12 @@ def markdown_section(report: dict[str, Any]) -> str:
             f"| {r['config']} | {r['corpus']} | {len(r['seeds'])} | {cell(r['eval_loss_mean'], '.4f')} | "
             f"{cell(r['ratio_mean'], '.4f')} | {spread} | {cell(r['target'], '.2f')} | {verdict} | "
             f"{cell(r['tokens_per_s_mean'])} | {cell(r['wall_s_mean'])} | "
-            f"{r['peers_killed'] if r['config'].endswith('churn') else '-'} |"
+            f"{r['peers_killed'] if r['config'].endswith('churn') else '-'} | "
+            f"{', '.join('/'.join(map(str, c)) for c in r['step_counts']) or '-'} |"
         )
     for f in a["failed"]:
         lines.append(
-            f"| {f['key']} (failed: {' '.join(f['error'].split())[:100].replace('|', '/')}) | | | | | | | | | | |"
+            f"| {f['key']} (failed: {' '.join(f['error'].split())[:100].replace('|', '/')})" + " |" * 12
         )
     tput = [r for r in a["rows"] if r["config"] == "p2-async-blockwise8"]
     if tput:
