@@ -10,5 +10,7 @@
 - ``convergence.py``: held-out loss of loopback swarms (1/2/4 peers per stage, sync/async, codecs,
   subspace, churn) vs. the same training in one process, over seeds and two corpora.
 - ``report.py``: what every report shares (machine description, table cells, smoothed curves).
+- ``async_replay.py``: a one-peer-per-stage swarm replayed in one process: async vs sync vs one
+  process, per stage optimizer (does staleness cost quality?).
 - ``subspace_convergence.py``: subspace-constrained models (k = d/32, d/100) vs. the ordinary model.
 """
