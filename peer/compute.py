@@ -207,9 +207,13 @@ class StageCompute:
         targets: torch.Tensor | None = None,
         tokens: torch.Tensor | None = None,
         context: Any = None,
+        count: bool = True,
     ) -> ForwardResult:
         """Run the stage on ``x``: token ids ``(B, T)`` on stage 0, elsewhere what crossed the boundary
-        ``(B, T, width)`` (the hidden state, or subspace coefficients rebuilt with ``tokens``)."""
+        ``(B, T, width)`` (the hidden state, or subspace coefficients rebuilt with ``tokens``).
+
+        ``count=False`` (a retry whose gradient this stage already added): the backward runs as usual
+        and sends its input gradient on, but adds nothing to the optimizer."""
         train = mode == "train"
         if self.is_last and mode != "generate" and targets is None:
             raise RequestError(f"stage {self.stage} is the last stage: mode {mode!r} needs targets")
@@ -227,7 +231,7 @@ class StageCompute:
             if not self.is_first:
                 x = self._decode_input(x, tokens)  # (B, T, width) -> (B, T, C)
             if self.is_last and train:
-                return self._last_stage_train(mb_id, x, targets, version, params, t0)
+                return self._last_stage_train(mb_id, x, targets, version, params, t0, count)
             if not train or self.spec.optimizer.recompute:
                 with torch.no_grad():
                     out = self._run(params, x)
@@ -251,7 +255,13 @@ class StageCompute:
                 result.output = sent.float().cpu()  # (B, T, width)
             if train:
                 entry = self.stash.new_entry(
-                    mb_id, version, x, output_shape=tuple(result.output.shape), graph=graph, context=context
+                    mb_id,
+                    version,
+                    x,
+                    output_shape=tuple(result.output.shape),
+                    graph=graph,
+                    context=context,
+                    count=count,
                 )
                 with self.lock:
                     self.stash.put(entry)
@@ -270,6 +280,7 @@ class StageCompute:
         version: int,
         params: Params,
         t0: float,
+        count: bool = True,
     ) -> ForwardResult:
         """Loss and its backward at once: the last stage needs no stash."""
         assert targets is not None
@@ -283,8 +294,12 @@ class StageCompute:
         param_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
         grad_input = self._encode_grad(grads[-1]) if x_leaf is not None else None
         with self.lock:
-            self.optimizer.accumulate(param_grads, staleness=self.version - version)
-            stepped = self._maybe_step()
+            stepped = False
+            if count:
+                self.optimizer.accumulate(param_grads, staleness=self.version - version)
+                stepped = self._maybe_step()
+            else:
+                self._release_window_slot()
         return ForwardResult(
             version=version,
             compute_s=time.perf_counter() - t0,
@@ -334,8 +349,12 @@ class StageCompute:
             raise
         with self.lock:
             staleness = self.version - entry.version
-            self.optimizer.accumulate(param_grads, staleness=staleness)
-            stepped = self._maybe_step()
+            stepped = False
+            if entry.count:
+                self.optimizer.accumulate(param_grads, staleness=staleness)
+                stepped = self._maybe_step()
+            else:
+                self._release_window_slot()
         return BackwardResult(
             version=entry.version,
             compute_s=time.perf_counter() - t0,

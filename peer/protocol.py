@@ -135,6 +135,14 @@ def _check_int(value: int, key: str, what: str, lo: int, hi: int) -> int:
     return value
 
 
+def _opt_int(d: dict[str, Any], key: str, default: int, what: str, lo: int, hi: int) -> int:
+    """An optional integer field (absent in messages of older peers): ``default`` when missing."""
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{what}: field {key!r} must be an integer, got {type(value).__name__}")
+    return _check_int(value, key, what, lo, hi)
+
+
 def _check_stats(stats: Any, what: str) -> dict[str, float]:
     if not isinstance(stats, dict) or len(stats) > 256:
         raise RequestError(f"{what}: 'stats' must be a dict of at most 256 numbers")
@@ -172,6 +180,10 @@ class ForwardHeader:
     # per-hop figures accumulated along the route (e.g. "fwd_bytes_1", "fwd_compute_s_1"); the last
     # stage copies them into its report so the trainer can account bytes per link.
     stats: dict[str, float] = field(default_factory=dict)
+    # a retry of a micro-batch whose earlier attempt's backward already added its gradient at stages
+    # >= counted_from (note "counted stages" in swarm/trainer.py): those stages run it without adding
+    # the gradient again. -1: no stage has counted it.
+    counted_from: int = -1
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -223,6 +235,7 @@ class ForwardHeader:
             targets=targets,
             sent_at=float(sent_at),
             stats=_check_stats(d.get("stats", {}), what),
+            counted_from=_opt_int(d, "counted_from", -1, what, -1, len(route)),
         )
 
 
@@ -276,6 +289,9 @@ class Report:
     reason: str = ""
     version: int = -1
     stats: dict[str, float] = field(default_factory=dict)
+    # ``failed`` reports of the backward phase: the stages >= counted_from already added this
+    # micro-batch's gradient (-1: none did, e.g. a forward failure)
+    counted_from: int = -1
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -303,6 +319,7 @@ class Report:
             reason=reason[:2000],
             version=int(d.get("version", -1)),
             stats=_check_stats(d.get("stats", {}), what),
+            counted_from=_opt_int(d, "counted_from", -1, what, -1, _MAX_ROUTE),
         )
 
 

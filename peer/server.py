@@ -762,7 +762,9 @@ class StagePeer:
                     f"version evicted: weight version {entry.version} of stage {compute.stage} is gone "
                     f"(max_versions={self.spec.optimizer.max_versions})"
                 )
-                self._report_failed(fwd, stage=compute.stage, peer=self.peer_id, reason=reason)
+                self._report_failed(
+                    fwd, stage=compute.stage, peer=self.peer_id, reason=reason, counted_from=compute.stage + 1
+                )
                 raise RequestError(reason)
             try:
                 grad = await asyncio.to_thread(
@@ -816,7 +818,8 @@ class StagePeer:
         s = compute.stage
         if self.config.slowdown_s > 0:
             time.sleep(self.config.slowdown_s)  # the documented artificial straggler delay
-        res = compute.forward(h.mb_id, x, h.mode, targets=targets, tokens=tokens, context=h)
+        count = h.counted_from < 0 or s < h.counted_from  # a retry's gradient is added once per stage
+        res = compute.forward(h.mb_id, x, h.mode, targets=targets, tokens=tokens, context=h, count=count)
         self.counters["forwards"] += 1
         stats = dict(h.stats)
         stats[f"fwd_compute_s_{s}"] = res.compute_s
@@ -869,7 +872,9 @@ class StagePeer:
             elif not isinstance(e, RequestError):
                 logger.exception("backward of %s failed on stage %d", h.mb_id, compute.stage)
             reason = str(e) if isinstance(e, RequestError) else f"compute error: {type(e).__name__}: {e}"
-            self._report_failed(fwd, stage=compute.stage, peer=self.peer_id, reason=reason)
+            self._report_failed(
+                fwd, stage=compute.stage, peer=self.peer_id, reason=reason, counted_from=compute.stage + 1
+            )
 
     def _run_backward(
         self, compute: StageCompute, h: BackwardHeader, fwd: ForwardHeader, grad: torch.Tensor, waited: float
@@ -961,17 +966,33 @@ class StagePeer:
             self.counters["failed_sends"] += 1
             if drop_from is not None:
                 drop_from.drop(origin.mb_id)
+            # a gradient that did not reach stage header.stage was already added by the sender's stage
+            counted = header.stage + 1 if name == BACKWARD else -1
             await self._report(
-                origin.trainer, self._failed(origin, stage=header.stage, peer=peer, reason=str(e))
+                origin.trainer,
+                self._failed(origin, stage=header.stage, peer=peer, reason=str(e), counted_from=counted),
             )
 
-    def _failed(self, h: ForwardHeader, *, stage: int, peer: str, reason: str) -> Report:
+    def _failed(
+        self, h: ForwardHeader, *, stage: int, peer: str, reason: str, counted_from: int = -1
+    ) -> Report:
+        """A ``failed`` report; ``counted_from``: in the backward phase, the first stage of those that
+        already added this micro-batch's gradient (all later ones did too), so a retry skips them."""
         return Report(
-            run_id=h.run_id, mb_id=h.mb_id, kind="failed", stage=stage, peer=peer, reason=reason[:2000]
+            run_id=h.run_id,
+            mb_id=h.mb_id,
+            kind="failed",
+            stage=stage,
+            peer=peer,
+            reason=reason[:2000],
+            counted_from=counted_from if 0 <= counted_from < len(h.route) else -1,
         )
 
-    def _report_failed(self, h: ForwardHeader, *, stage: int, peer: str, reason: str) -> None:
-        self._send(self._report(h.trainer, self._failed(h, stage=stage, peer=peer, reason=reason)))
+    def _report_failed(
+        self, h: ForwardHeader, *, stage: int, peer: str, reason: str, counted_from: int = -1
+    ) -> None:
+        report = self._failed(h, stage=stage, peer=peer, reason=reason, counted_from=counted_from)
+        self._send(self._report(h.trainer, report))
 
     async def _report(self, trainer: str, report: Report, payload: bytes = b"") -> None:
         if self._p2p is None:

@@ -116,6 +116,7 @@ class StashEntry:
     graph: tuple[torch.Tensor, torch.Tensor | None, Params] | None = None
     context: Any = None
     meta: dict[str, float] = field(default_factory=dict)
+    count: bool = True  # add the gradient to the optimizer (False: a retry this stage already counted)
 
 
 class MicroBatchStash:

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,10 +106,20 @@ def step_record(
     dropped: int,
     inflight: int,
     tokens_per_s: float,
+    step_micro_batches: int = 0,
 ) -> dict[str, Any]:
-    """One ``metrics.jsonl`` line for a finished step (see note "link bytes")."""
+    """One ``metrics.jsonl`` line for a finished step (see note "link bytes").
+
+    ``staleness`` maps a stage index (as a string) to the mean number of weight versions that stage
+    stepped between a micro-batch's forward and its backward, over the step's ``step_micro_batches``
+    completed micro-batches (0 = no staleness, as in synchronous training)."""
     per_token = {
         k: v / step_tokens for k, v in sorted(step_stats.items()) if "bytes" in k and step_tokens > 0
+    }
+    staleness = {
+        k.removeprefix("staleness_"): round(v / step_micro_batches, 3)
+        for k, v in sorted(step_stats.items())
+        if k.startswith("staleness_") and step_micro_batches > 0
     }
     return {
         "type": "step",
@@ -123,6 +134,7 @@ def step_record(
         "completed": completed,
         "dropped": dropped,
         "inflight": inflight,
+        "staleness": staleness,
     }
 
 
@@ -330,10 +342,23 @@ def summarize(
         "compression_ratio": (raw / bpt) if bpt else None,
         "micro_batches": dict(totals),
         "peers_by_stage": {str(k): dict(v) for k, v in (peers_by_stage or {}).items()},
+        "staleness": _mean_staleness(steps),
     }
     if extra:
         summary.update(extra)
     return _finite(summary)
+
+
+def _mean_staleness(steps: list[Mapping[str, Any]]) -> dict[str, float]:
+    """Per stage, the mean staleness of the run's micro-batches (each step weighted by its tokens)."""
+    sums: dict[str, float] = defaultdict(float)
+    weights: dict[str, float] = defaultdict(float)
+    for i, r in enumerate(steps):
+        w = _step_tokens(steps, i)
+        for stage, v in (r.get("staleness") or {}).items():
+            sums[stage] += v * w
+            weights[stage] += w
+    return {st: round(sums[st] / weights[st], 3) for st in sorted(sums, key=int) if weights[st] > 0}
 
 
 def _step_tokens(steps: list[Mapping[str, Any]], i: int) -> int:
@@ -364,6 +389,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         + (f" {mb.get('dropped_by_reason')}" if mb.get("dropped") else "")
         + f", {mb.get('retries', 0)} retries, {mb.get('late_reports', 0)} late reports ignored",
     ]
+    if summary.get("staleness"):
+        lines.append(
+            "staleness (versions between forward and backward, mean): "
+            + ", ".join(f"stage {st} {v:.2f}" for st, v in summary["staleness"].items())
+        )
     peer_loss = summary.get("peer_loss", {})
     for stage, peers in sorted(summary.get("peers_by_stage", {}).items(), key=lambda kv: int(kv[0])):
         losses = peer_loss.get(stage, {})

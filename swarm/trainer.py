@@ -31,10 +31,20 @@ stage-0 peer that never acknowledged a micro-batch before its deadline is the on
 Per-peer in-flight counts are capped (note "staleness cap" in swarm/routing.py) so that peers keep
 the weight version a micro-batch's backward needs.
 
+Counted stages (note "counted stages")
+--------------------------------------
+A backward that fails at stage i (its weight version was evicted, a send failed) has already added
+the micro-batch's gradient at every later stage: they ran their backward first. The ``failed`` report
+says so (``counted_from = i + 1``), and the retry's forward header carries ``counted_from``: those
+stages run the retry's forward and backward as usual (stage i needs the gradient) but add nothing to
+their optimizers, so a retry never counts one micro-batch twice and stage step counts stay equal.
+
 Steps (note "trainer step")
 ---------------------------
-Peers step their optimizers every ``optimizer.accumulate`` micro-batches they receive; a trainer
-*step* is the same amount of work seen from here: ``accumulate`` completed training micro-batches.
+A stage steps once every ``optimizer.accumulate`` micro-batches *of the stage*, whatever its number
+of replicas (peer/replicas.py: replicas combine their gradients in a round and step as one); a
+trainer *step* is the same amount of work seen from here: ``accumulate`` completed training
+micro-batches, so trainer steps, stage versions and exported step counts agree.
 ``mode: async`` keeps up to ``max_inflight`` micro-batches in the swarm; ``mode: sync`` sends
 exactly ``accumulate`` micro-batches, waits until every one of them is completed or dropped, and
 only then sends the next ``accumulate`` (so peers step in lock-step).
@@ -352,9 +362,11 @@ class SwarmLink:
         tokens: torch.Tensor,
         targets: torch.Tensor | None,
         timeout_s: float,
+        counted_from: int = -1,
     ) -> dict[str, Any]:
         """Hand one micro-batch to ``route[0]``; returns its acknowledgement (raises
-        ``PeerFailure`` / ``RequestError`` as ``peer.protocol.call`` does)."""
+        ``PeerFailure`` / ``RequestError`` as ``peer.protocol.call`` does). ``counted_from``: see
+        note "counted stages" (the trainer's docstring)."""
         from peer.protocol import FORWARD, ForwardHeader, Message, call, pack_tokens
 
         header = ForwardHeader(
@@ -369,6 +381,7 @@ class SwarmLink:
             seq=int(tokens.shape[1]),
             tokens=pack_tokens(tokens, self.spec.model.vocab_size),
             targets=b"" if targets is None else pack_tokens(targets, self.spec.model.vocab_size),
+            counted_from=counted_from,
         )
         return await call(
             self.p2p, route[0], FORWARD, Message(header.to_wire(), b""), timeout_s=timeout_s, auth=self.auth
@@ -655,6 +668,7 @@ class Trainer:
                 tokens=mb.data["tokens"],
                 targets=mb.data["targets"],
                 timeout_s=self.config.call_timeout_s,
+                counted_from=mb.data.get("counted_from", -1),
             )
             attempt.acked = True
         except PeerFailure as e:
@@ -708,6 +722,11 @@ class Trainer:
             self._completed(attempt, mb)
         elif outcome.event == "failed":
             assert attempt is not None
+            if report.counted_from >= 0:
+                # note "counted stages": a retry must not add this gradient again at these stages
+                data = self.ledger.micro_batches[attempt.index].data
+                known = data.get("counted_from", -1)
+                data["counted_from"] = report.counted_from if known < 0 else min(known, report.counted_from)
             self._fail(
                 attempt,
                 reason=classify_failure(report.reason or "error"),
@@ -829,6 +848,7 @@ class Trainer:
             dropped=totals["dropped"],
             inflight=totals["inflight"],
             tokens_per_s=self._tokens_per_s(now),
+            step_micro_batches=cur.completed,
         )
         if self.writer is not None:
             self.writer.write(rec)

@@ -159,3 +159,28 @@ def test_summary_numbers_and_text():
     assert "stage 0: AAAAAAAA: 12, BBBBBBBB: 8" in text
     s["peer_loss"] = {"0": {"peerAAAAAAAAAA": 2.5, "peerBBBBBBBBBB": 412.0}}
     assert "AAAAAAAA: 12 (loss 2.50), BBBBBBBB: 8 (loss 412.00)" in format_summary(s)
+
+
+def test_step_records_carry_per_stage_staleness_and_the_summary_its_mean():
+    from swarm.metrics import step_record, summarize
+
+    recs = []
+    for step, (s0, n) in enumerate([(2.0, 2), (6.0, 2)], start=1):
+        recs.append(
+            step_record(
+                step=step,
+                elapsed_s=float(step),
+                loss=1.0,
+                tokens=100 * step,
+                step_tokens=100,
+                step_stats={"staleness_0": s0, "staleness_1": 0.0},
+                completed=2 * step,
+                dropped=0,
+                inflight=0,
+                tokens_per_s=1.0,
+                step_micro_batches=n,
+            )
+        )
+    assert recs[0]["staleness"] == {"0": 1.0, "1": 0.0} and recs[1]["staleness"]["0"] == 3.0
+    summary = summarize(recs, wall_s=2.0, totals={}, num_stages=2, d_model=8)
+    assert summary["staleness"] == {"0": 2.0, "1": 0.0}

@@ -161,3 +161,14 @@ def test_sync_replica_waits_for_its_round():
     assert not comp.forward_allowed()  # sync: the window's forwards wait for the combined step
     comp.end_round([s / count for s in sums], version, None)
     assert comp.version == 1 and comp.forward_allowed()
+
+
+def test_a_retry_already_counted_here_adds_no_gradient():
+    comp = StageCompute(spec(accumulate=2), 0)
+    comp.forward("a", tokens(0), "train", count=False)
+    res = comp.backward("a", grad(0))
+    assert res.grad_input is None and comp.uncombined() == 0  # ran, but added nothing
+    last = StageCompute(spec(accumulate=1), 1)
+    x = torch.randn(2, 16, 32)
+    out = last.forward("b", x, "train", targets=tokens(1), count=False)
+    assert out.grad_input is not None and last.version == 0 and last.uncombined() == 0

@@ -72,6 +72,8 @@ class SimSwarm:
         self.max_inflight_seen = 0
         self.sent_modes: list[str] = []
         self.steps_seen = 0
+        self.counted_from: dict[str, int] = {}  # mb_id -> the header's counted_from
+        self.evict_first: int = 0  # fail this many backwards at stage 0 (version evicted), as peers report it
         self._tasks: set[asyncio.Task] = set()
 
     async def stage_records(self) -> list[dict[str, PeerRecord]]:
@@ -93,7 +95,8 @@ class SimSwarm:
             out.append(recs)
         return out
 
-    async def send_forward(self, *, route, mb_id, mode, tokens, targets, timeout_s) -> dict:
+    async def send_forward(self, *, route, mb_id, mode, tokens, targets, timeout_s, counted_from=-1) -> dict:
+        self.counted_from[mb_id] = counted_from
         assert tokens.shape == (self.spec.micro_batch_size, self.spec.model.seq_len)
         if route[0] in self.dead:
             raise PeerFailure("connection refused", peer=route[0], reason="unreachable")
@@ -132,6 +135,17 @@ class SimSwarm:
                 return
             self._report(mb_id, "loss", len(route) - 1, route[-1], loss=loss, stats=stats)
             await asyncio.sleep(self.hop_s * len(route))
+            if mode == "train" and self.evict_first > 0 and len(route) > 1:
+                self.evict_first -= 1  # stage 1 already added the gradient: the report says so
+                self._report(
+                    mb_id,
+                    "failed",
+                    0,
+                    route[0],
+                    reason="version evicted: weight version 0 is gone",
+                    counted_from=1,
+                )
+                return
             self.steps_seen += 1
             self._report(mb_id, "done", 0, route[0], stats={"bwd_compute_s_0": self.hop_s})
         finally:
@@ -364,3 +378,15 @@ def test_tensorboard_sink_receives_the_step_records(tmp_path):
     tags = acc.Tags()["scalars"]
     assert "loss" in tags
     assert [e.step for e in acc.Scalars("loss")] == list(range(1, 7))
+
+
+def test_a_retry_after_a_backward_failure_is_not_counted_again_at_later_stages(tmp_path):
+    spec = make_spec("async", accumulate=1)
+    sim = SimSwarm(spec, {0: ["a"], 1: ["b"]})
+    sim.evict_first = 2
+    trainer = Trainer(config(tmp_path, steps=6, max_inflight=1))
+    summary = run(trainer, sim, spec)
+    assert summary["micro_batches"]["completed"] == 6
+    retried = [v for v in sim.counted_from.values() if v >= 0]
+    assert retried == [1, 1]  # both retries tell stage 1 it already counted them
+    assert sum(1 for v in sim.counted_from.values() if v < 0) == 6  # first attempts and the rest
