@@ -25,12 +25,16 @@ with probability proportional to its weight:
 - ``avoid`` (the peers of a route that just broke for an unknown reason) is soft: those peers are
   skipped unless they are the only ones left in their stage.
 
-Staleness cap (note "staleness cap"): a peer keeps ``optimizer.max_versions`` weight versions and
-steps every ``accumulate`` backwards, so a micro-batch whose forward and backward are separated by
-too many of that peer's other micro-batches is refused ("version evicted") and must be re-sent.
-The trainer therefore passes ``max_per_peer``: a peer of stage i already holding that many of this
+Staleness cap (note "staleness cap"): a peer keeps ``optimizer.max_versions`` weight versions and its
+stage steps once per ``accumulate`` micro-batches of the *whole stage* (all replicas together,
+peer/replicas.py), so a micro-batch whose forward and backward are separated by too many of the
+stage's other micro-batches is refused ("version evicted") and must be re-sent. Backwards may come
+back out of order, so one version is kept as headroom: at most ``(max_versions - 2) * accumulate + 1``
+micro-batches in flight through a stage, shared among its online replicas (:func:`staleness_caps`).
+The trainer passes these as ``max_per_peer``: a peer of stage i already holding that many of this
 trainer's micro-batches is skipped, and a stage whose peers are all at the cap raises
-:class:`NoPeersError` with ``reason="saturated"`` (the trainer simply waits for completions).
+:class:`NoPeersError` with ``reason="saturated"`` (the trainer simply waits for completions). The
+last stage runs its backward right after its forward and needs no cap; sync mode needs none either.
 
 Only records in state ``online`` are used: a ``joining`` peer is still loading weights and a
 ``leaving`` one is about to go. A stage with no usable peer raises :class:`NoPeersError` naming the
@@ -62,6 +66,7 @@ __all__ = [
     "peer_weight",
     "choose_route",
     "route_deadline_s",
+    "staleness_caps",
     "Router",
 ]
 
@@ -250,6 +255,24 @@ def route_deadline_s(
     return (
         config.deadline_base_s + config.deadline_slack * compute_s + wire_bytes / config.min_bandwidth_bytes_s
     )
+
+
+def staleness_caps(
+    stages: Sequence[Mapping[str, PeerInfo]], *, accumulate: int, max_versions: int, sync: bool
+) -> list[int | None]:
+    """Per stage, the micro-batches one trainer may keep in flight through one of its peers (note
+    "staleness cap"); None = no cap (the last stage, sync mode)."""
+    if sync:
+        return [None] * len(stages)
+    per_stage = max(1, (max_versions - 2) * accumulate + 1)
+    caps: list[int | None] = []
+    for i, records in enumerate(stages):
+        if i == len(stages) - 1:
+            caps.append(None)
+            continue
+        replicas = max(1, sum(1 for r in records.values() if r.state == "online"))
+        caps.append(max(1, math.ceil(per_stage / replicas)))
+    return caps
 
 
 class Router:

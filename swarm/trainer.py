@@ -87,7 +87,7 @@ from swarm.metrics import (
     step_record,
     summarize,
 )
-from swarm.routing import NoPeersError, Router, RoutingConfig
+from swarm.routing import NoPeersError, Router, RoutingConfig, staleness_caps
 
 if TYPE_CHECKING:
     import hivemind
@@ -461,14 +461,10 @@ class Trainer:
         self.accumulate = spec.optimizer.accumulate
         self.sync = spec.optimizer.mode == "sync"
         self.tokens_per_mb = spec.tokens_per_micro_batch
-        # note "staleness cap" (swarm/routing.py): a micro-batch whose forward and backward at a peer are
-        # more than max_versions - 1 versions apart is refused. A peer makes a version every `accumulate`
-        # backwards (and one per averaging round), and backwards may come back out of order, so keep one
-        # version of headroom: with k of our micro-batches at a peer, k - 1 others finish in between.
-        # The last stage runs its backward right after its forward and needs no cap.
-        opt = spec.optimizer
-        cap = None if self.sync else max(1, (opt.max_versions - 2) * opt.accumulate + 1)
-        self.max_per_peer = [cap] * (spec.num_stages - 1) + [None]
+        # note "staleness cap" (swarm/routing.py): per-peer in-flight caps, recomputed from the replica
+        # counts at every refresh of the stage records (_update_caps)
+        self.max_per_peer: list[int | None] = [None] * spec.num_stages
+        self.cap_noted = False
         if cfg.tokens is not None:
             target_mbs = math.ceil(cfg.tokens / self.tokens_per_mb)
             self.target_steps = math.ceil(target_mbs / self.accumulate)
@@ -522,6 +518,7 @@ class Trainer:
         interrupted = True
         try:
             self.stages = await link.stage_records()
+            self._update_caps()
             self.tasks.spawn(self._refresh_loop())
             self.tasks.spawn(self._publish_loop())
             await self._main_loop()
@@ -904,9 +901,31 @@ class Trainer:
             await asyncio.sleep(self.config.refresh_every_s * random.uniform(0.8, 1.2))
             try:
                 self.stages = await self.link.stage_records()
+                self._update_caps()
             except PeerFailure as e:
                 self._event("dht_error", detail=str(e)[:200])
             self.wake.set()
+
+    def _update_caps(self) -> None:
+        """Recompute the staleness caps; say once when they hold fewer micro-batches than ``max_inflight``."""
+        opt = self.spec.optimizer
+        self.max_per_peer = staleness_caps(
+            self.stages, accumulate=opt.accumulate, max_versions=opt.max_versions, sync=self.sync
+        )
+        limits = [
+            cap * sum(1 for r in recs.values() if r.state == "online")
+            for cap, recs in zip(self.max_per_peer, self.stages, strict=True)
+            if cap is not None and recs
+        ]
+        allowed = min(limits, default=None)
+        if allowed is not None and allowed < self.config.max_inflight and not self.cap_noted:
+            self.cap_noted = True
+            self.say(
+                f"note: at most {allowed} micro-batches in flight (max_inflight is {self.config.max_inflight}): "
+                f"more would outlive the {opt.max_versions} weight versions a peer keeps; raise "
+                "optimizer.max_versions (or optimizer.accumulate) to keep more in flight"
+            )
+            self._event("inflight_capped", allowed=allowed, max_inflight=self.config.max_inflight)
 
     async def _publish_loop(self) -> None:
         while True:

@@ -228,3 +228,19 @@ def test_staleness_cap_skips_full_peers_and_saturates():
     assert info.value.reason == "saturated" and info.value.stage == 0
     router.on_success(pid("a"))
     assert router.route(stages, max_per_peer=caps)[0] == pid("a")
+
+
+def test_staleness_caps_share_a_stage_budget_among_its_replicas():
+    from swarm.routing import staleness_caps
+
+    def stage(n, state="online"):
+        return {f"p{i}": rec(f"p{i}", state=state) for i in range(n)}
+
+    stages = [stage(1), stage(2), stage(4), stage(1)]
+    # (max_versions - 2) * accumulate + 1 = 9 micro-batches per stage, split among its online replicas
+    assert staleness_caps(stages, accumulate=4, max_versions=4, sync=False) == [9, 5, 3, None]
+    assert staleness_caps(stages, accumulate=4, max_versions=4, sync=True) == [None] * 4
+    assert staleness_caps([stage(2, "joining"), stage(1)], accumulate=1, max_versions=3, sync=False) == [
+        2,
+        None,
+    ]
