@@ -22,10 +22,11 @@ How (``export_run``):
    peer runs forwards with (note "served weights" in peer/optimizer.py).
 3. Check that every stage runs this spec (``spec_hash``), sent the parameter names and shapes of its
    layers, and that the stages are at about the same point of training: their optimizer step counts
-   differ by at most ``max_step_lag``. Step counts, not weight versions, because averaging rounds
-   also make versions and stages average at different times. Asynchronous training keeps stages a
-   few steps apart (up to the micro-batches in flight divided by ``accumulate``), so a small lag is
-   normal; a stage far behind (its peers restarted from an old checkpoint or from the seed) is named.
+   differ by at most ``max_step_lag``. A stage steps once per ``accumulate`` micro-batches of the
+   whole stage however many replicas it has (peer/replicas.py), so step counts of stages with
+   different replica counts compare directly. Asynchronous training keeps stages a few steps apart
+   (up to the micro-batches in flight divided by ``accumulate``), so a small lag is normal; a stage
+   far behind (its peers restarted from an old checkpoint or from the seed) is named.
 4. Assemble dense weights and write them. Subspace-constrained layers (swarm/subspace.py) are
    written as ordinary dense matrices: ``W = U A`` for the attention output and SwiGLU down
    projections, ``E_fix + A U^T`` for the token embedding; the result is an ordinary model with the
