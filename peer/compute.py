@@ -531,6 +531,18 @@ class StageCompute:
         with self.lock:
             return self.optimizer.pending + sum(count for _, count in self._ready)
 
+    def set_replicas(self, n: int) -> None:
+        """The stage's live replica count changed. Alone again, the stage steps locally: at once with
+        the shares that waited for a round (they are complete steps' worth of gradient)."""
+        with self.lock:
+            self.replicas = max(1, n)
+            if self.replicas == 1 and not self._round_active:
+                if self._ready:
+                    self.flush_step()
+                elif self.optimizer.ready:
+                    self._maybe_step()
+        self.on_gate_change()
+
     def _merge_ready(self) -> None:
         """Put the shares waiting for a round back into the accumulator (a local step takes them all)."""
         while self._ready:

@@ -64,6 +64,9 @@ class RoundsConfig:
     """Join a round with less than the quota after this long without a new gradient."""
     max_failed_rounds: int = 3
     """Failed rounds in a row after which this replica steps alone (the others catch up by download)."""
+    min_timeout_s: float = 1.0
+    """Once rounds have completed, a round waits ``4 x`` the recent round time, at least this and at
+    most ``timeout_s``: a replica that died is noticed in about a second, not after ``timeout_s``."""
 
 
 @dataclass
@@ -133,6 +136,7 @@ class ReplicaRounds:
         self.counters = dict.fromkeys(self.COUNTERS, 0)
         self.failed_in_a_row = 0
         self.last_round_size = 0
+        self.round_s_ema: float | None = None  # seconds a completed round took (EMA)
         compute.on_round_due = self._wake.set
         self._thread = threading.Thread(target=self._run, name=f"replica-rounds-{compute.stage}", daemon=True)
 
@@ -179,17 +183,16 @@ class ReplicaRounds:
         sums, count, version = compute.take_round()
         gather = {"version": version, "digest": compute.digest(), "count": count}
         result = self.averager.combine(
-            sums, count, group_size=group, gather=gather, timeout_s=self.config.timeout_s
+            sums, count, group_size=group, gather=gather, timeout_s=self.timeout_s()
         )
         if result is None:
             return self._failed(sums, count, version)
         flat, mean_count, gathered = result
-        logger.info(
-            "ROUNDDBG v%d count %d total %.1f took %.3f s",
-            version,
-            count,
-            mean_count * len(gathered),
-            time.perf_counter() - t0,
+        took = time.perf_counter() - t0
+        self.counters["round_ms"] += round(1000 * took)
+        self.round_s_ema = took if self.round_s_ema is None else 0.8 * self.round_s_ema + 0.2 * took
+        logger.debug(
+            "round at v%d: %d of %.0f micro-batches, %.3f s", version, count, mean_count * len(gathered), took
         )
         self.failed_in_a_row = 0
         self.last_round_size = len(gathered)
@@ -214,19 +217,28 @@ class ReplicaRounds:
             self.counters["caught_up"] += 1
         return stepped
 
+    def timeout_s(self) -> float:
+        """How long the next round waits for a full group (see ``RoundsConfig.min_timeout_s``)."""
+        cfg = self.config
+        if self.round_s_ema is None:
+            return cfg.timeout_s
+        return min(cfg.timeout_s, max(cfg.min_timeout_s, 4.0 * self.round_s_ema))
+
     def _failed(self, sums: list[torch.Tensor], count: int, version: int) -> bool:
         compute = self.compute
         self.counters["rounds_failed"] += 1
         self.failed_in_a_row += 1
         compute.end_round(None, version, (sums, count))
         try:
-            compute.replicas = max(1, int(self._replicas_fn()))
-        except Exception as e:  # noqa: BLE001 -- a DHT hiccup: keep the count we have
+            live = max(1, int(self._replicas_fn()))  # replicas whose records are online and who answer
+        except Exception as e:  # noqa: BLE001 -- a DHT or network hiccup: keep the count we have
             logger.info("could not refresh the replica count of stage %d: %s", compute.stage, e)
-        if compute.replicas <= 1:  # alone now: the stage steps locally again (StageCompute._maybe_step)
+            live = compute.replicas
+        if live != compute.replicas:
+            logger.info("stage %d: %d live replica(s) now (was %d)", compute.stage, live, compute.replicas)
+        compute.set_replicas(live)  # alone now: steps locally at once with what it holds
+        if live <= 1:
             self.failed_in_a_row = 0
-            with compute.lock:
-                compute._maybe_step()
         elif self.failed_in_a_row >= self.config.max_failed_rounds:
             if compute.flush_step():
                 self.counters["solo_steps"] += 1

@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 _EXPIRY_PERIOD_S = 1.0
 _AUTHORIZED_PERIOD_S = 1.0
+_PING_TIMEOUT_S = 2.0  # an INFO call that tells a live same-stage replica from a dead one
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as in swarm/records.py
 
 
@@ -341,7 +342,7 @@ class StagePeer:
             else:
                 self.loaded_from = "seed"
         self._averager.share_state(True, priority=compute.version)
-        compute.replicas = 1 + len(others)
+        compute.replicas = await self._live_replicas(stage)
         self._rounds = ReplicaRounds(
             compute,
             self._averager,
@@ -350,22 +351,41 @@ class StagePeer:
                 timeout_s=self.spec.averaging.timeout_s,
                 max_failed_rounds=self.config.max_failed_rounds,
             ),
-            replicas_fn=lambda: self._count_replicas(self._membership.stage_records(stage)),
+            replicas_fn=lambda: self._on_loop(self._live_replicas(stage), timeout_s=10.0),
             catch_up=self._catch_up,
         )
         self._rounds.start()
         self._notify_queue()
 
-    def _count_replicas(self, records: dict[str, Any]) -> int:
-        """Online replicas of our stage, this peer included."""
-        return 1 + sum(1 for pid, r in records.items() if pid != self.peer_id and r.state == "online")
+    async def _live_replicas(self, stage: int) -> int:
+        """Replicas of ``stage``, this peer included, whose records say online and who answer an INFO
+        call for that stage (a SIGKILLed peer's record outlives it by up to its TTL; its connection
+        fails at once)."""
+        records = await asyncio.to_thread(self._membership.stage_records, stage)
+        others = [pid for pid, r in records.items() if pid != self.peer_id and r.state == "online"]
+        answers = await asyncio.gather(*(self._serves_stage(pid, stage) for pid in others))
+        return 1 + sum(answers)
+
+    async def _serves_stage(self, peer: str, stage: int) -> bool:
+        try:
+            info = await call(self._p2p, peer, INFO, Message({}), timeout_s=_PING_TIMEOUT_S, auth=self.auth)
+        except (PeerFailure, RequestError):
+            return False
+        return info.get("stage") == stage and info.get("state") == "online"
+
+    def _on_loop(self, coro: Coroutine[Any, Any, Any], *, timeout_s: float) -> Any:
+        """Run ``coro`` on the peer's event loop from another thread and wait for its result."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     async def _refresh_replicas(self) -> None:
         compute = self._compute
         if compute is None:
             return
-        records = await asyncio.to_thread(self._membership.stage_records, compute.stage)
-        compute.replicas = self._count_replicas(records)
+        live = await self._live_replicas(compute.stage)
+        if live != compute.replicas:
+            logger.info("stage %d: %d live replica(s) now (was %d)", compute.stage, live, compute.replicas)
+        await asyncio.to_thread(compute.set_replicas, live)
 
     def _catch_up(self, version: int) -> bool:
         """Download the stage's state from a replica at ``version`` or newer and adopt it (rounds' thread)."""
