@@ -1029,6 +1029,29 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 # -------------------------------------------------------------------------------------- markdown
 
 
+def _protocol_warning(report: dict[str, Any], seeds: list[int]) -> list[str]:
+    """A warning paragraph when the runs fall short of the issue's protocol (>= 600k tokens, >= 64k
+    held-out tokens, 3 seeds, 2 corpora), so that a smoke run is never read as the benchmark."""
+    cfg = report["config"]
+    corpora = {r["job"]["corpus"] for r in report["results"] if not r.get("error")}
+    short = []
+    if cfg["micro_batches"] * report["tokens_per_mb"] < 600_000:
+        short.append(f"{cfg['micro_batches'] * report['tokens_per_mb']:,} tokens per run instead of >= 600k")
+    if cfg["eval_tokens"] < 65536:
+        short.append(f"{cfg['eval_tokens']:,} held-out tokens instead of >= 64k")
+    if len(seeds) < 3:
+        short.append(f"{len(seeds)} seed(s) instead of 3")
+    if len(corpora) < 2:
+        short.append(f"{len(corpora)} corpus instead of 2")
+    if not short:
+        return []
+    return [
+        f"**Not the full protocol** ({'; '.join(short)}): the verdicts below are indicative only; "
+        "`python -m benchmarks.convergence` runs the whole matrix.",
+        "",
+    ]
+
+
 def markdown_section(report: dict[str, Any]) -> str:
     """The "Convergence" section of BENCHMARKS.md from a report (pure)."""
     cfg = report["config"]
@@ -1059,6 +1082,7 @@ def markdown_section(report: dict[str, Any]) -> str:
         )
         + ".",
         "",
+        *_protocol_warning(report, seeds),
         "Ratio = held-out loss / that of `ref-stage` (one process, the spec's optimizer through "
         "`StageOptimizer`) with the same corpus, seed and model; mean and min..max over seeds. The target "
         "applies to the mean of 3 seeds.",
@@ -1104,13 +1128,12 @@ def markdown_section(report: dict[str, Any]) -> str:
 
 
 def quick_config(**kw: Any) -> ConvergenceConfig:
-    """``--quick``: 96 micro-batches, 16k held-out tokens, seed 0, corpus stdlib, churn every 10 s."""
+    """``--quick``: 96 micro-batches, 16k held-out tokens, seed 0, corpus stdlib."""
     base: dict[str, Any] = {
         "micro_batches": 96,
         "eval_tokens": 16384,
         "seeds": (0,),
         "corpora": ("stdlib",),
-        "churn_every_s": 10.0,
         "throughput_warmup_mb": 16,
         "throughput_window_mb": 8,
     }
@@ -1215,8 +1238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m benchmarks.convergence " + " ".join(argv if argv is not None else sys.argv[1:])
     previous = terminate_as_interrupt()  # SIGTERM: the same cleanup as Ctrl-C
     try:
+        # a --quick run stands alone (its short protocol would refuse the next --quick with other options)
+        fresh = args.fresh or (args.quick and not args.skip_done)
         report = run_matrix(
-            cfg, jobs, name=name, command=command.strip(), fresh=args.fresh, skip_done=args.skip_done
+            cfg, jobs, name=name, command=command.strip(), fresh=fresh, skip_done=args.skip_done
         )
     except KeyboardInterrupt:
         print(
