@@ -3,8 +3,8 @@
 Run (from the repository root; everything on loopback, no root needed)::
 
     python -m benchmarks.convergence --plan              # list the runs of the whole matrix, run nothing
-    python -m benchmarks.convergence --quick             # 5 short runs, 1 seed, 1 corpus (~4 min on 2 cores)
-    python -m benchmarks.convergence                     # the whole matrix (108 runs; ~9 h on 2 cores)
+    python -m benchmarks.convergence --quick             # 4 short runs, 1 seed, 1 corpus (~5 min on 2 cores)
+    python -m benchmarks.convergence                     # the whole matrix (108 runs; ~6.5 h on 2 cores)
     python -m benchmarks.convergence --configs 'p2-*' --seeds 0 --corpora stdlib   # a part of it
     python -m benchmarks.convergence --skip-done         # go on where an interrupted run stopped
     python -m benchmarks.convergence --render            # rewrite the Convergence section from the JSON
@@ -577,6 +577,7 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
     return {
         "tokens": fig["tokens"],
         "tokens_per_s": fig["tokens_per_s"],
+        "tokens_per_s_overall": fig["tokens"] / fig["train_s"] if fig["train_s"] else None,
         "losses": fig["losses"],
         "eval_loss": eval_loss,
         "held_out_tokens": held,
@@ -720,6 +721,7 @@ def run_job(
         }
         out["tokens"] = res["losses"][-1]["tokens"] if res["losses"] else 0
         out["train_s"] = res["losses"][-1]["wall_s"] if res["losses"] else None
+        out["tokens_per_s_overall"] = out["tokens"] / out["train_s"] if out["train_s"] else None
     else:
         job_path, out_path, log_path = work / "job.json", work / "result.json", work / "worker.log"
         payload = {
@@ -961,6 +963,9 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "target": target,
                 "met": None if target is None or mean is None else mean <= target,
                 "tokens_per_s_mean": _mean([r["tokens_per_s"] for r in runs if r.get("tokens_per_s")]),
+                "tokens_per_s_overall_mean": _mean(
+                    [r["tokens_per_s_overall"] for r in runs if r.get("tokens_per_s_overall")]
+                ),
                 "wall_s_mean": _mean([r["wall_s"] for r in runs if r.get("wall_s")]),
                 "peers_killed": sum(r.get("peers_killed") or 0 for r in runs),
                 "dropped": sum(r.get("dropped") or 0 for r in runs),
@@ -1085,9 +1090,11 @@ def markdown_section(report: dict[str, Any]) -> str:
         *_protocol_warning(report, seeds),
         "Ratio = held-out loss / that of `ref-stage` (one process, the spec's optimizer through "
         "`StageOptimizer`) with the same corpus, seed and model; mean and min..max over seeds. The target "
-        "applies to the mean of 3 seeds.",
+        "applies to the mean of 3 seeds. Tokens/s: the median over windows after warm-up (what the swarm "
+        "sustains), and overall = tokens / training seconds (stalls included, e.g. after a kill).",
         "",
-        "| configuration | corpus | seeds | held-out loss | ratio | min..max | target | | tokens/s | s per run "
+        "| configuration | corpus | seeds | held-out loss | ratio | min..max | target | | tokens/s (median, overall) "
+        "| s per run "
         "| peers killed | exported stage steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -1101,7 +1108,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['config']} | {r['corpus']} | {len(r['seeds'])} | {cell(r['eval_loss_mean'], '.4f')} | "
             f"{cell(r['ratio_mean'], '.4f')} | {spread} | {cell(r['target'], '.2f')} | {verdict} | "
-            f"{cell(r['tokens_per_s_mean'])} | {cell(r['wall_s_mean'])} | "
+            f"{cell(r['tokens_per_s_mean'])}, {cell(r.get('tokens_per_s_overall_mean'))} | "
+            f"{cell(r['wall_s_mean'])} | "
             f"{r['peers_killed'] if r['config'].endswith('churn') else '-'} | "
             f"{', '.join('/'.join(map(str, c)) for c in r['step_counts']) or '-'} |"
         )
