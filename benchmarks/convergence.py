@@ -927,6 +927,14 @@ def _ratio_of(r: dict[str, Any], results: list[dict[str, Any]]) -> float | None:
     return r["eval_loss"] / ref["eval_loss"]
 
 
+def _overall_rate(r: dict[str, Any]) -> float | None:
+    """Tokens / training seconds of a run (stored, or from the end of its loss curve)."""
+    if r.get("tokens_per_s_overall"):
+        return r["tokens_per_s_overall"]
+    last = (r.get("losses") or [{}])[-1]
+    return r["tokens"] / last["wall_s"] if r.get("tokens") and last.get("wall_s") else None
+
+
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -963,9 +971,7 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "target": target,
                 "met": None if target is None or mean is None else mean <= target,
                 "tokens_per_s_mean": _mean([r["tokens_per_s"] for r in runs if r.get("tokens_per_s")]),
-                "tokens_per_s_overall_mean": _mean(
-                    [r["tokens_per_s_overall"] for r in runs if r.get("tokens_per_s_overall")]
-                ),
+                "tokens_per_s_overall_mean": _mean([x for x in map(_overall_rate, runs) if x]),
                 "wall_s_mean": _mean([r["wall_s"] for r in runs if r.get("wall_s")]),
                 "peers_killed": sum(r.get("peers_killed") or 0 for r in runs),
                 "dropped": sum(r.get("dropped") or 0 for r in runs),
@@ -1073,12 +1079,15 @@ def markdown_section(report: dict[str, Any]) -> str:
         f"in `benchmarks/results/{report['name']}.json`).",
         "",
         f"Model: `{cfg['spec_path']}` with {cfg['overrides']} ({report['n_params'] / 1e6:.2f}M parameters, "
-        f"{report['num_stages']} stages, micro-batch {report['micro_batch']}); optimizer {report['optimizer']}. "
+        f"{report['num_stages']} stages, micro-batch {report['micro_batch']}); optimizer "
+        + ", ".join(f"{k} {v}" for k, v in report["optimizer"].items() if v is not None and k != "mode")
+        + ". "
         f"Every run: {cfg['micro_batches']} micro-batches ({cfg['micro_batches'] * report['tokens_per_mb']:,} "
         f"tokens, {cfg['micro_batches'] // report['optimizer'].get('accumulate', 1)} optimizer steps per stage); "
         f"held-out loss of the final (for a swarm: exported) model on {cfg['eval_tokens']:,} held-out "
         f"tokens; seeds {seeds} (data stream and initial weights); in-flight micro-batches "
-        f"{cfg['max_inflight'] or '2 x peers per stage x stages'}.",
+        f"{cfg['max_inflight'] or '2 x peers per stage x stages'}; churn run: a SIGKILL every "
+        f"{cell(cfg['churn_every_s'], 'g')} s.",
         "",
         "Corpora: "
         + "; ".join(
