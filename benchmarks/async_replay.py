@@ -387,7 +387,7 @@ def run_pipeline(
         if progress.eval_due(done):
             with torch.no_grad():
                 for stage, c in zip(model.stages, comps, strict=True):
-                    stage.load_state_dict(c.params())
+                    stage.load_state_dict(c.optimizer.params)  # base weights: what checkpoints hold
             progress.record_eval(done, held_out_loss(model, eval_set))
     leftover = [c.optimizer.pending for c in comps]
     assert not sent and not grads and not any(leftover), (len(sent), len(grads), leftover)
@@ -520,18 +520,22 @@ def summarise(runs: dict[str, dict[str, dict]], references: Sequence[str], defau
 
 def markdown_table(summary: dict, references: Sequence[str]) -> list[str]:
     refs = [r for r in references if any(f"vs {r}" in row for row in summary["rows"].values())]
-    head = "| run | held-out loss (mean, min..max) | " + " | ".join(f"ratio to {r}" for r in refs) + " |"
-    out = [head, "|---|---|" + "---|" * len(refs)]
+    head = ["run", "held-out loss: mean (min..max; per seed)", *(f"ratio to {r}" for r in refs)]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def fmt(x: dict, digits: int) -> str:
         per = ", ".join(f"{v:.{digits}f}" for v in x["per_seed"])
-        return f"{x['mean']:.{digits}f} ({x['min']:.{digits}f}..{x['max']:.{digits}f}; seeds: {per})"
+        return f"{x['mean']:.{digits}f} ({x['min']:.{digits}f}..{x['max']:.{digits}f}; {per})"
 
     for label, row in summary["rows"].items():
-        cells = [fmt(row[f"vs {r}"], 4) if f"vs {r}" in row else "" for r in refs]
-        out.append(f"| {label} | {fmt(row['loss'], 4)} | " + " | ".join(cells) + " |")
+        cells = [
+            label,
+            fmt(row["loss"], 4),
+            *(fmt(row[f"vs {r}"], 4) if f"vs {r}" in row else "" for r in refs),
+        ]
+        out.append("| " + " | ".join(cells) + " |")
     if summary["async_over_sync"]:
-        out += ["", "| optimizer | async / sync (mean, min..max; per seed) |", "|---|---|"]
+        out += ["", "| optimizer | async / sync: mean (min..max; per seed) |", "|---|---|"]
         out += [f"| {opt} | {fmt(r, 4)} |" for opt, r in summary["async_over_sync"].items()]
     return out
 

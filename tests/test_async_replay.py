@@ -123,4 +123,4 @@ def test_replay_end_to_end_on_a_tiny_run(tmp_path, capsys):
             assert 0 < run["staleness_mean"][0] <= 1  # 3 in flight, accumulate 2: stale by one version
     assert set(report["summary"]["async_over_sync"]) == {"adamw", "muon:muon_lr=0.01"}
     printed = capsys.readouterr().out
-    assert "| run | held-out loss" in printed and "async/sync adamw <= 1.02" in printed
+    assert "| run | held-out loss: mean" in printed and "async/sync adamw <= 1.02" in printed
