@@ -504,27 +504,19 @@ class StageCompute:
 
     # ---- replica rounds (peer/replicas.py) ---------------------------------------------------
 
-    def round_due(self, idle_s: float) -> bool:
-        """This replica should join a round: its share of the stage batch is in, or it holds some
-        gradient and none arrived for ``idle_s`` (the trainer sent its micro-batches elsewhere)."""
+    def round_due(self) -> bool:
+        """A complete share of this replica waits for a round."""
         with self.lock:
-            if self._round_active:
-                return False
-            if self._ready:
-                return True
-            if self.optimizer.pending == 0:
-                return False
-            return self.stash.clock() - self.last_gradient_at >= idle_s and len(self.stash) == 0
+            return bool(self._ready) and not self._round_active
 
-    def idle(self) -> bool:
-        """Nothing pending, nothing awaiting its backward, no round running."""
+    def can_fill_in(self, idle_s: float) -> bool:
+        """This replica may join a round another replica waits for with less than its share: nothing
+        is in flight here and no gradient came for ``idle_s`` (nothing at all: at once), i.e. the
+        trainers send their micro-batches elsewhere and the stage's step must not wait for us."""
         with self.lock:
-            return (
-                self.optimizer.pending == 0
-                and not self._ready
-                and len(self.stash) == 0
-                and not self._round_active
-            )
+            if self._round_active or self._ready or len(self.stash) > 0:
+                return False
+            return self.optimizer.pending == 0 or self.stash.clock() - self.last_gradient_at >= idle_s
 
     def uncombined(self) -> int:
         """Micro-batches whose gradients no step has used yet (accumulating or waiting for a round)."""

@@ -9,9 +9,9 @@ a *round* (``StageAverager.combine``): a hivemind all-reduce over exactly the ``
 (min group size = target group size = ``R``) of the gradient sums and micro-batch counts. The
 result is the stage's mean gradient over every micro-batch of the round, and every member applies
 the same optimizer step to the same state, so replicas hold the same weights and the same version
-numbers. A replica holding less than its share joins once no gradient came for ``idle_s``, and an idle
-replica (nothing pending, nothing in flight) joins with nothing whenever another replica waits for a
-group (its matchmaking declaration is in the DHT), so a step never waits for a replica without work.
+numbers. A replica that gets no traffic (nothing in flight, no gradient for ``idle_s``) joins a round
+that another replica waits for (its matchmaking declaration is in the DHT) with what it holds, maybe
+nothing, so a step never waits for a replica without work; a share is otherwise never sent partial.
 
 While a round runs, an async replica keeps serving: forwards use the current version, and
 backwards accumulate into a fresh buffer for the next round (so a round adds at most one step of
@@ -60,8 +60,9 @@ class RoundsConfig:
 
     timeout_s: float = 5.0
     """Seconds a round waits for a full group before the gradients go back and it is retried."""
-    idle_s: float = 0.5
-    """Join a round with less than the quota after this long without a new gradient."""
+    idle_s: float = 1.0
+    """A replica with less than its share joins a round another replica waits for once no gradient
+    came for this long (with nothing at all, at once)."""
     max_failed_rounds: int = 3
     """Failed rounds in a row after which this replica steps alone (the others catch up by download)."""
     min_timeout_s: float = 1.0
@@ -164,10 +165,10 @@ class ReplicaRounds:
                 compute = self.compute
                 if compute.replicas <= 1:
                     continue
-                if compute.round_due(self.config.idle_s):
+                if compute.round_due():
                     self.run_round()
-                elif compute.idle() and self.averager.others_waiting():
-                    self.run_round()  # nothing to add, but the stage's step needs every replica
+                elif compute.can_fill_in(self.config.idle_s) and self.averager.others_waiting():
+                    self.run_round()  # less than a share (maybe nothing), but the step needs every replica
         except Exception:  # a bug here must not leave a peer that silently never steps
             logger.exception(
                 "replica rounds of stage %d crashed; the peer steps alone from now on", self.compute.stage

@@ -100,9 +100,9 @@ def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
         comp.forward(mb, tokens(i), "train")
         comp.backward(mb, grad(i))
     assert comp.version == 0 and due == [2]  # its share is in: a round is due, no local step
-    assert comp.round_due(idle_s=10.0)
+    assert comp.round_due()
     sums, count, version = comp.take_round()
-    assert count == 2 and comp.uncombined() == 0 and not comp.round_due(idle_s=0.0)
+    assert count == 2 and comp.uncombined() == 0 and not comp.round_due() and not comp.can_fill_in(0.0)
     comp.forward("c", tokens(2), "train")  # async: serving goes on while the round runs
     comp.backward("c", grad(2))
     assert comp.uncombined() == 1  # kept apart for the next round
@@ -122,7 +122,7 @@ def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
     sums, count, version = comp.take_round()
     assert count == 2 and comp.uncombined() == 0
     assert not comp.end_round(None, version, (sums, count))
-    assert comp.uncombined() == 2 and comp.version == 1 and comp.round_due(idle_s=10.0)
+    assert comp.uncombined() == 2 and comp.version == 1 and comp.round_due()
     assert comp.take_round()[1] == 2
     assert not comp.end_round([s for s in sums], version - 1, None)
 
@@ -156,7 +156,7 @@ def test_sync_replica_waits_for_its_round():
     comp.forward("a", tokens(0), "train")
     assert not comp.forward_allowed()  # its share (1 of 2) is in flight
     comp.backward("a", grad(0))
-    assert comp.version == 0 and comp.round_due(idle_s=10.0)
+    assert comp.version == 0 and comp.round_due()
     sums, count, version = comp.take_round()
     assert not comp.forward_allowed()  # sync: the window's forwards wait for the combined step
     comp.end_round([s / count for s in sums], version, None)
@@ -172,3 +172,16 @@ def test_a_retry_already_counted_here_adds_no_gradient():
     x = torch.randn(2, 16, 32)
     out = last.forward("b", x, "train", targets=tokens(1), count=False)
     assert out.grad_input is not None and last.version == 0 and last.uncombined() == 0
+
+
+def test_a_replica_without_traffic_may_fill_in_only_when_idle():
+    clock = [0.0]
+    comp = StageCompute(spec(accumulate=4), 0, clock=lambda: clock[0])
+    comp.replicas = 2
+    assert comp.can_fill_in(idle_s=1.0)  # nothing at all: at once
+    comp.forward("a", tokens(0), "train")
+    assert not comp.can_fill_in(idle_s=1.0)  # something in flight
+    comp.backward("a", grad(0))
+    assert not comp.can_fill_in(idle_s=1.0) and not comp.round_due()  # 1 of 2: a gradient just came
+    clock[0] = 5.0
+    assert comp.can_fill_in(idle_s=1.0)

@@ -163,6 +163,7 @@ def test_outsiders_are_refused_and_insiders_train():
                 spec_hash=spec.spec_hash,
                 stage=0,
                 shapes=donor_state,
+                grad_shapes=[],
                 state_fn=lambda: ({}, donor_state),
             )
             await asyncio.to_thread(spy.wait_ready, 30.0)
