@@ -28,7 +28,7 @@ What runs (:func:`plan`), for every corpus and seed, references first:
 Protocol: every run trains ``micro_batches`` micro-batches (equal tokens) of the same data stream: the
 trainer's ``--seed`` and the reference's data seed are the run's seed, which is also the spec's ``seed``
 (the initial weights). The held-out loss is that of the trained model on ``eval_tokens`` tokens of fixed,
-evenly spaced held-out windows (``single_process.held_out_loss``): for a swarm, of the model
+evenly spaced held-out windows (``swarm.reference.held_out_loss``): for a swarm, of the model
 ``swarm export`` writes (``swarm.export.export_run`` while the peers still run, loaded with
 ``load_model``); for a reference, of its final weights. Ratio = a run's held-out loss / ``ref-stage``'s of
 the same corpus, seed and model; per configuration the mean and the spread (min..max) over seeds.
@@ -501,12 +501,12 @@ async def _train(demo, trainer, churn_every_s: float | None, seed: int, kills: l
 def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], work: Path) -> dict[str, Any]:
     """One swarm run in this process (the worker): start, train, export, stop; then evaluate the export."""
     from benchmarks.links import swarm_figures
-    from benchmarks.single_process import held_out_loss
     from swarm.data import build_data
     from swarm.demo import Demo, DemoConfig
     from swarm.export import ExportConfig, export_run, load_model
     from swarm.metrics import read_metrics
     from swarm.network import DHTConfig
+    from swarm.reference import held_out_loss
     from swarm.trainer import Trainer, TrainerConfig
 
     dcfg = _data_config(data)

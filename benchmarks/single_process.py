@@ -27,7 +27,6 @@ that its peak resident memory (VmHWM) is its own.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -41,6 +40,7 @@ from typing import Any
 
 from benchmarks.pipelining_baseline import ROOT, _load_spec, peak_rss_bytes
 from swarm.errors import ConfigError, SwarmError
+from swarm.reference import StageOptimizers, held_out_loss
 
 __all__ = ["OPTIMIZERS", "SingleConfig", "held_out_loss", "run_single", "train_single"]
 
@@ -103,64 +103,6 @@ def data_config(cfg: SingleConfig):
     return DataConfig(**kw)
 
 
-def held_out_loss(model, data, *, batch: int, tokens: int) -> tuple[float, int]:
-    """Mean loss of ``model`` (token ids (B, T) -> logits (B, T, V)) on ``data``'s fixed held-out windows:
-    ``ceil(tokens / (batch * seq_len))`` micro-batches of ``batch`` windows; returns (loss, tokens used)."""
-    import torch
-
-    from swarm.model import lm_loss
-
-    n_batches = max(1, -(-tokens // (batch * data.seq_len)))
-    total = 0.0
-    with torch.no_grad():
-        for x, y in data.eval_batches(batch, n_batches):  # (B, T), (B, T)
-            total += float(lm_loss(model(x), y))
-    return total / n_batches, n_batches * batch * data.seq_len
-
-
-class _StageOptimizers:
-    """The spec's optimizer, one ``StageOptimizer`` per stage, driven as stage peers drive theirs: each
-    micro-batch's parameter gradients are accumulated, and a stage steps once it holds ``accumulate``."""
-
-    def __init__(self, model, spec, accumulate: int):
-        from peer.optimizer import StageOptimizer
-
-        # the run's own optimizer section; only ``accumulate`` is this run's (it equals the spec's when
-        # the caller reproduces a swarm run)
-        ocfg = dataclasses.replace(spec.optimizer, accumulate=accumulate)
-        self.stages = list(model.stages)
-        self.opts = [StageOptimizer(dict(s.named_parameters()), ocfg) for s in self.stages]
-        for stage in self.stages:
-            stage.requires_grad_(False)  # the trained tensors are the optimizers' (functional_call)
-        self._leaves: list[dict[str, Any]] = []
-
-    def forward(self, tokens):  # (B, T) -> (B, T, vocab)
-        from torch.func import functional_call
-
-        self._leaves = []
-        x = tokens
-        for stage, opt in zip(self.stages, self.opts, strict=True):
-            params = {n: t.detach().requires_grad_(True) for n, t in opt.served().items()}
-            self._leaves.append(params)
-            x = functional_call(stage, params, (x,))
-        return x
-
-    def after_backward(self) -> None:
-        for opt, params in zip(self.opts, self._leaves, strict=True):
-            opt.accumulate({n: p.grad for n, p in params.items()})
-            if opt.ready:
-                opt.step()
-
-    def load_into_model(self) -> None:
-        """Copy each stage's base parameters (what ``swarm export`` writes) into the modules."""
-        import torch
-
-        with torch.no_grad():
-            for stage, opt in zip(self.stages, self.opts, strict=True):
-                for name, p in stage.named_parameters():
-                    p.copy_(opt.params[name])
-
-
 def train_single(cfg: SingleConfig) -> dict[str, Any]:
     """Train in this process; per-step times and losses, peak RSS, and the held-out loss if asked."""
     import torch
@@ -173,7 +115,7 @@ def train_single(cfg: SingleConfig) -> dict[str, Any]:
     spec = _load_spec(cfg.spec_path)
     model = build_model(spec)
     ocfg = spec.optimizer
-    stage_opts = _StageOptimizers(model, spec, cfg.accumulate) if cfg.optimizer == "stage" else None
+    stage_opts = StageOptimizers(model, spec, cfg.accumulate) if cfg.optimizer == "stage" else None
     opt = (
         None
         if stage_opts is not None

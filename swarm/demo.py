@@ -112,6 +112,9 @@ class DemoConfig:
     """A ``RunSpec`` to use as is (Python API and tests); overrides ``spec_path``, ``stages``, ``codec``."""
     max_inflight: int | None = None
     """Micro-batches in flight (None = 2 x stages x peers per stage)."""
+    reference: bool = True
+    """After training, train the same model in one process on the same micro-batches (with the run's
+    optimizer) and print both held-out losses: what training through the swarm cost."""
     eval_every: int | None = None
     """Held-out loss every N steps (None = 4 evaluations over the run; 0 = never)."""
     seed: int = 0
@@ -213,7 +216,10 @@ class Demo:
             self.say(f"all {len(self.peers)} peers online after {time.monotonic() - t0:.1f} s; training")
             summary = asyncio.run(self._train())
             status = self._write_status()
-            summary = self._finish(summary, status, wall_s=time.monotonic() - t0)
+            wall_s = time.monotonic() - t0
+            if cfg.reference:
+                summary = dict(summary, reference=self._reference(summary))
+            summary = self._finish(summary, status, wall_s=wall_s)
             return summary
         finally:
             self.shutdown()
@@ -433,6 +439,30 @@ class Demo:
         self.trainer.say(f"chaos: fresh peer {fresh.peer_id} serves stage {fresh.stage}")
 
     # ---- results --------------------------------------------------------------------------------
+
+    def _reference(self, summary: dict[str, Any]) -> dict[str, Any] | None:
+        """Train the same model in this process on the same micro-batches (swarm/reference.py) and
+        compare held-out losses on the trainer's own evaluation windows; says both."""
+        from swarm.reference import held_out_loss, train_reference
+
+        trainer = self.trainer
+        swarm_loss = summary.get("eval_loss_last")
+        if trainer is None or swarm_loss is None or not trainer.completed_train:
+            return None
+        n = trainer.completed_train
+        self.say(f"training the same model in one process on the same {n} micro-batches, for comparison ...")
+        t0 = time.monotonic()
+        model = train_reference(self.spec, trainer.data, micro_batches=n, seed=self.config.seed)
+        mbs = self.spec.micro_batch_size
+        tokens = trainer.config.eval_batches * mbs * self.spec.model.seq_len
+        loss, _ = held_out_loss(model, trainer.data, batch=mbs, tokens=tokens)
+        ratio = swarm_loss / loss
+        self.say(
+            f"held-out loss: swarm {swarm_loss:.3f} vs one process {loss:.3f} on the same "
+            f"{n * self.spec.tokens_per_micro_batch} tokens (ratio {ratio:.3f}; 1.0 = no cost of training through "
+            f"the swarm; {time.monotonic() - t0:.0f} s)"
+        )
+        return {"eval_loss": loss, "ratio": ratio, "micro_batches": n, "eval_tokens": tokens}
 
     def _write_status(self) -> dict[str, Any]:
         from swarm.status import gather_run_status

@@ -84,6 +84,9 @@ def test_demo_with_chaos_trains_writes_out_and_leaves_nothing(tmp_path):
     demo = summary["demo"]
     assert len(demo["chaos"]) == 1 and sum(p["killed"] for p in demo["peers"]) == 1
     assert len(demo["peers"]) == 5  # 2 x 2 and the fresh one
+    ref = summary["reference"]  # the same model trained in one process on the same micro-batches
+    assert ref["micro_batches"] == 36 and 0 < ref["ratio"] < 2, ref
+    assert "vs one process" in output
     assert len(list((out / "logs").glob("peer-*.log"))) == 5
     groups = {proc.pid} | {p["pid"] for p in demo["peers"]}
     assert wait_gone(groups) == [], "processes left behind (peers, DHT children or p2pd)"

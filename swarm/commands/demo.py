@@ -33,6 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, default=None, metavar="K", help="micro-batches in flight")
     p.add_argument("--eval-every", type=int, default=None, metavar="N", help="held-out loss every N steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="skip training the same model in one process afterwards (the held-out comparison)",
+    )
     p.add_argument("--quiet", action="store_true", help="print only errors")
     p.set_defaults(func=run)
 
@@ -52,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         max_inflight=args.max_inflight,
         eval_every=args.eval_every,
         seed=args.seed,
+        reference=args.reference,
         quiet=args.quiet,
         **kwargs,
     )
