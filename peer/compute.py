@@ -24,13 +24,15 @@ state itself (``width = d_model``). So ``forward`` takes ``(B, T, width)`` plus 
 ``backward`` takes and returns ``(B, T, width)`` tensors.
 
 Thread-safety: the worker thread calls forward/backward; other threads (averaging, state download,
-checkpoints) call :meth:`export_state`; the replica rounds (peer/replicas.py) :meth:`take_round`, :meth:`end_round`, :meth:`adopt_state`. Every access to versions, stash and
+checkpoints, replica rounds) call :meth:`export_state`, :meth:`take_round`, :meth:`end_round`,
+:meth:`adopt_state`. Every access to versions, stash and
 optimizer state happens under :attr:`lock`; the matmuls themselves run outside it on immutable
 version tensors.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -48,6 +50,8 @@ from swarm.model import autocast_dtype, build_stage, lm_loss
 from swarm.spec import RunSpec
 
 __all__ = ["StageCompute", "ForwardResult", "BackwardResult"]
+
+logger = logging.getLogger(__name__)
 
 Mode = Literal["train", "eval", "generate"]
 Params = dict[str, torch.Tensor]
@@ -526,6 +530,19 @@ class StageCompute:
     def set_replicas(self, n: int) -> None:
         """The stage's live replica count changed. Alone again, the stage steps locally: at once with
         the shares that waited for a round (they are complete steps' worth of gradient)."""
+        accumulate = self.spec.optimizer.accumulate
+        if n > 1 and accumulate % n and n != self.replicas:
+            logger.warning(
+                "stage %d has %d replicas but optimizer.accumulate is %d: a stage step combines %d x %d = %d "
+                "micro-batches, not %d; a multiple of the replica count keeps the step size exact",
+                self.stage,
+                n,
+                accumulate,
+                n,
+                max(1, round(accumulate / n)),
+                n * max(1, round(accumulate / n)),
+                accumulate,
+            )
         with self.lock:
             self.replicas = max(1, n)
             if self.replicas == 1 and not self._round_active:

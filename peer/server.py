@@ -342,7 +342,7 @@ class StagePeer:
             else:
                 self.loaded_from = "seed"
         self._averager.share_state(True, priority=compute.version)
-        compute.replicas = await self._live_replicas(stage)
+        compute.set_replicas(await self._live_replicas(stage))
         self._rounds = ReplicaRounds(
             compute,
             self._averager,
