@@ -65,9 +65,10 @@ class RoundsConfig:
     came for this long (with nothing at all, at once)."""
     max_failed_rounds: int = 3
     """Failed rounds in a row after which this replica steps alone (the others catch up by download)."""
-    min_timeout_s: float = 1.0
+    min_timeout_s: float = 3.0
     """Once rounds have completed, a round waits ``4 x`` the recent round time, at least this and at
-    most ``timeout_s``: a replica that died is noticed in about a second, not after ``timeout_s``."""
+    most ``timeout_s``. The limit covers the all-reduce too (a round cut short mid-all-reduce leaves
+    its partners with partial sums), so it must not be tight; a dead replica costs one such wait."""
 
 
 @dataclass
@@ -138,6 +139,7 @@ class ReplicaRounds:
         self.failed_in_a_row = 0
         self.last_round_size = 0
         self.round_s_ema: float | None = None  # seconds a completed round took (EMA)
+        self._last_poll = -math.inf
         compute.on_round_due = self._wake.set
         self._thread = threading.Thread(target=self._run, name=f"replica-rounds-{compute.stage}", daemon=True)
 
@@ -167,7 +169,11 @@ class ReplicaRounds:
                     continue
                 if compute.round_due():
                     self.run_round()
-                elif compute.can_fill_in(self.config.idle_s) and self.averager.others_waiting():
+                elif (
+                    compute.can_fill_in(self.config.idle_s)
+                    and self._poll_due()
+                    and self.averager.others_waiting()
+                ):
                     self.run_round()  # less than a share (maybe nothing), but the step needs every replica
         except Exception:  # a bug here must not leave a peer that silently never steps
             logger.exception(
@@ -175,6 +181,14 @@ class ReplicaRounds:
             )
             self.compute.replicas = 1
             raise
+
+    def _poll_due(self) -> bool:
+        """Ask the DHT whether another replica waits at most every ``idle_s`` (each ask is a DHT get)."""
+        now = time.monotonic()
+        if now - self._last_poll < self.config.idle_s:
+            return False
+        self._last_poll = now
+        return True
 
     def run_round(self) -> bool:
         """One round now (blocking); True when this replica stepped with the combined gradient."""
