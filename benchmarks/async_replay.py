@@ -2,36 +2,42 @@
 
 Run (from the repository root)::
 
-    python -m benchmarks.async_replay        # demo shape, 600 micro-batches, 3 seeds: ~30 min on 2 cores
+    python -m benchmarks.async_replay --skip "single adamw"   # demo shape, 600 micro-batches, 3 seeds
     python -m benchmarks.async_replay --micro-batches 40 --seeds 0 --no-markdown --out /tmp/r.json  # quick look
     python -m benchmarks.async_replay --seeds 0 --modes sync async --no-markdown --out /tmp/lr.json \\
-        --optimizer adamw:lr=1e-3 --optimizer muon:muon_lr=0.01     # one point of an lr sweep
+        --optimizer adamw:lr=1e-3 --optimizer muon:muon_lr=0.01,muon_momentum=0.8   # an lr sweep point
+
+On 2 shared cores one run of 600 micro-batches at the demo's size takes 1.5-4 minutes.
 
 A swarm with one peer per stage, replayed in one process on CPU with no network: one
 ``peer.compute.StageCompute`` per stage (the peers' own forward/backward, weight versions, stash and
 ``StageOptimizer``), driven through the schedule a trainer and its peers would produce, on the
-micro-batches a trainer with the same seed would send. Per seed and optimizer:
+micro-batches a trainer with the same seed would send. Per seed and optimizer, the modes:
 
 - ``sync``: ``optimizer.mode: sync`` and the trainer's sync rule (``accumulate`` micro-batches, wait for
   all, next ``accumulate``): every gradient of a step is computed on the same weight version.
-- ``async``: ``optimizer.mode: async`` with ``--inflight`` micro-batches in the pipeline (default: the
-  trainer's staleness cap for one peer per stage, see :func:`trainer_inflight`); forwards of new
-  micro-batches run before the backwards of older ones, so the earlier stages' gradients are computed
-  on weights 1-2 versions older than the ones they are applied to (the measured staleness is reported).
+- ``async``: ``optimizer.mode: async``, the pipeline kept ``--inflight`` deep (default: the trainer's
+  staleness cap for one peer per stage, :func:`trainer_inflight`) by :func:`steady_schedule`: a new
+  micro-batch's forwards run before the oldest one's backwards, so every stage before the last
+  computes each gradient on weights ``(inflight - 1) / accumulate`` versions old (1 at the default
+  accumulate 2 and 3 in flight): the most staleness the cap lets through.
+- ``async-sim``: the same, scheduled by :func:`simulated_schedule`: the trainer refills the pipeline
+  when stage 0 reports a micro-batch done, and each peer runs one task at a time, backwards first (as
+  peer/runtime.py), with unit costs (forward 1, backward 2 or 3 with recompute, last stage's
+  forward+backward 3) and ``--latency`` units per message. Stage 0 then waits on its own backwards
+  and about half the gradients are fresh (mean staleness ~0.5 version).
 - ``single``: the model of ``swarm.model.build_model`` trained in one process on the same micro-batches,
   with the project's optimizer (one ``StageOptimizer`` per stage, clipping per stage as the peers do)
-  or, for ``torch-adamw``, ``torch.optim.AdamW`` (clipping per stage too, as benchmarks/single_process.py).
+  or, for ``torch-adamw``, ``torch.optim.AdamW`` (clipping per stage too, as swarm/reference.py).
 
-The schedule (note "replayed schedule") is data: :func:`pipeline_schedule` simulates the peers' worker
-queues (one task at a time per stage, the backward lane first as in peer/runtime.py; unit costs:
-forward 1, backward 2 or 3 with recompute, last-stage forward+backward 3, no link latency) and the
-trainer's admission rule, and returns the actions in start order (``0F3``: stage 0, forward,
-micro-batch 3; ``1L3``: last stage, loss and backward at once; ``0B3``: stage 0, backward). Executing
-them in that order gives every stage exactly the sequence of forwards, backwards and steps it would
-see. Boundaries are exact (float32) unless ``--wire-codecs`` applies the spec's codecs both ways.
+Schedules are data (note "replayed schedule"): lists of actions in start order (``0F3``: stage 0,
+forward, micro-batch 3; ``1L3``: last stage, loss and backward at once; ``0B3``: stage 0, backward).
+Executing them in that order gives every stage exactly the sequence of forwards, backwards and
+steps it would see. Boundaries are exact (float32) unless ``--wire-codecs`` applies the spec's
+codecs both ways.
 
 Held-out loss: ``--eval-batches`` fixed micro-batches of the held-out tail of the data (default 64 x 8 x
-128 = 65,536 tokens), evaluated on the latest weights of every stage at equal tokens. Ratios are taken
+128 = 65,536 tokens), evaluated on the base weights of every stage at equal tokens. Ratios are taken
 per seed against the ``--reference`` runs (default: single-process ``torch-adamw`` and single-process
 ``muon``), then summarised as mean, min and max over seeds. Results: ``benchmarks/results/async_replay.json``
 and the "Async replay" section of BENCHMARKS.md (``--no-markdown`` leaves it alone).
@@ -64,8 +70,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "async_replay.json"
 SECTION = "## Async replay"
 TORCH_ADAMW = "torch-adamw"
-MODES = ("single", "sync", "async")
-SCHEDULES = ("steady", "simulated")
+MODES = ("single", "sync", "async", "async-sim")
+ASYNC_MODES = ("async", "async-sim")  # steady_schedule, simulated_schedule
 ASYNC_WITHIN = 1.02  # async may end at most 2% above sync (issue 13)
 SINGLE_WITHIN = 1.01  # the default optimizer in one process within 1% of torch AdamW (issue 13)
 TRAINER_MAX_INFLIGHT = 8  # swarm.trainer.TrainerConfig.max_inflight's default
@@ -92,15 +98,23 @@ class Action:
 
 
 def trainer_inflight(opt: OptimizerConfig, num_stages: int, max_inflight: int = TRAINER_MAX_INFLIGHT) -> int:
-    """Micro-batches a trainer keeps in a swarm of one peer per stage, in async mode.
+    """Micro-batches a trainer keeps in a swarm of one peer per stage, in async mode: the trainer's
+    ``max_inflight``, or less where ``swarm.routing.staleness_caps`` caps a stage (note "staleness cap")."""
+    from swarm.routing import staleness_caps
 
-    Mirrors ``Trainer._setup`` in swarm/trainer.py (note "staleness cap" in swarm/routing.py): each
-    peer before the last stage takes at most ``(max_versions - 2) * accumulate + 1`` of the trainer's
-    micro-batches, and the trainer at most ``max_inflight`` in all.
-    """
-    if num_stages == 1:
-        return max_inflight
-    return min(max_inflight, max(1, (opt.max_versions - 2) * opt.accumulate + 1))
+    one_peer = [{"replay": _OnlinePeer()} for _ in range(num_stages)]
+    caps = staleness_caps(one_peer, accumulate=opt.accumulate, max_versions=opt.max_versions, sync=False)
+    return min([max_inflight] + [c for c in caps if c is not None])
+
+
+@dataclass(frozen=True)
+class _OnlinePeer:
+    """The one online peer of a stage, as ``staleness_caps`` reads it (swarm.routing.PeerInfo)."""
+
+    peer_id: str = "replay"
+    state: str = "online"
+    throughput: float = 1.0
+    queue: int = 0
 
 
 def steady_schedule(num_stages: int, n_micro_batches: int, *, inflight: int) -> list[Action]:
@@ -231,12 +245,12 @@ def simulated_schedule(
 
 
 def make_schedule(
-    kind: str, mode: str, spec: RunSpec, n_micro_batches: int, *, inflight: int, latency: float = 0.0
+    mode: str, spec: RunSpec, n_micro_batches: int, *, inflight: int, latency: float = 0.0
 ) -> list[Action]:
-    """The schedule of one sync or async run (``kind``: an entry of SCHEDULES, for async)."""
+    """The schedule of a ``sync``, ``async`` (steady) or ``async-sim`` (simulated) run."""
     if mode == "sync":
         return sync_schedule(spec.num_stages, n_micro_batches, window=spec.optimizer.accumulate)
-    if kind == "steady":
+    if mode == "async":
         return steady_schedule(spec.num_stages, n_micro_batches, inflight=inflight)
     return simulated_schedule(
         spec.num_stages,
@@ -493,16 +507,19 @@ def summarise(runs: dict[str, dict[str, dict]], references: Sequence[str], defau
             if ref in final:
                 row[f"vs {ref}"] = _spread([losses[s] / final[ref][s] for s in seeds])
         rows[label] = row
-    async_sync = {}
+    async_sync = {}  # "async muon" -> async / sync of muon, per seed
     for label in final:
         mode, _, opt = label.partition(" ")
-        if mode == "async" and f"sync {opt}" in final:
-            async_sync[opt] = _spread([final[label][s] / final[f"sync {opt}"][s] for s in seeds])
+        if mode in ASYNC_MODES and f"sync {opt}" in final:
+            async_sync[label] = _spread([final[label][s] / final[f"sync {opt}"][s] for s in seeds])
 
     def check(r: dict[str, Any], within: float) -> dict[str, Any]:
         return {"measured": r["mean"], "worst_seed": r["max"], "met": r["mean"] <= within}
 
-    checks = {f"async/sync {opt} <= {ASYNC_WITHIN}": check(r, ASYNC_WITHIN) for opt, r in async_sync.items()}
+    checks = {
+        f"{label} / sync {label.partition(' ')[2]} <= {ASYNC_WITHIN}": check(r, ASYNC_WITHIN)
+        for label, r in async_sync.items()
+    }
     adamw = final.get(f"single {TORCH_ADAMW}")
     for label, losses in final.items():
         mode, _, opt = label.partition(" ")
@@ -535,8 +552,8 @@ def markdown_table(summary: dict, references: Sequence[str]) -> list[str]:
         ]
         out.append("| " + " | ".join(cells) + " |")
     if summary["async_over_sync"]:
-        out += ["", "| optimizer | async / sync: mean (min..max; per seed) |", "|---|---|"]
-        out += [f"| {opt} | {fmt(r, 4)} |" for opt, r in summary["async_over_sync"].items()]
+        out += ["", "| async run | over sync of the same optimizer: mean (min..max; per seed) |", "|---|---|"]
+        out += [f"| {label} | {fmt(r, 4)} |" for label, r in summary["async_over_sync"].items()]
     return out
 
 
@@ -578,7 +595,7 @@ def markdown(report: dict) -> str:
         f"micro-batch {cfg['micro_batch_size']} x {cfg['seq_len']}), one peer per stage replayed in one process; "
         f"{cfg['micro_batches']} micro-batches = {cfg['tokens']:,} training tokens per run, accumulate "
         f"{cfg['accumulate']}, warmup {cfg['warmup_steps']} steps, constant lr after warmup; async keeps "
-        f"{cfg['inflight']} micro-batches in flight (mean stage-0 staleness {cfg['async_staleness']}); "
+        f"{cfg['inflight']} micro-batches in flight (mean stage-0 staleness in versions: {cfg['async_staleness']}); "
         f"boundaries {'through the spec codecs' if cfg['wire_codecs'] else 'exact (float32)'}; held-out loss "
         f"on {cfg['eval_tokens']:,} fixed held-out tokens; seeds {', '.join(map(str, summary['seeds']))} "
         "(model init and data order). Learning rates: "
@@ -635,14 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--inflight", type=int, default=None, help="async micro-batches in flight (default: trainer's)"
     )
-    p.add_argument(
-        "--schedule",
-        choices=SCHEDULES,
-        default="steady",
-        help="async schedule: steady (pipeline kept --inflight deep, the cap's worst case) or simulated "
-        "(the trainer and the peers' queues with unit costs)",
-    )
-    p.add_argument("--latency", type=float, default=0.0, help="simulated schedule: message latency (units)")
+    p.add_argument("--latency", type=float, default=0.0, help="async-sim: message latency (units)")
     p.add_argument("--eval-batches", type=int, default=64, help="held-out micro-batches per evaluation")
     p.add_argument(
         "--eval-every", type=int, default=None, help="micro-batches between evaluations (default: 1/4)"
@@ -722,13 +732,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 inflight = args.inflight or trainer_inflight(spec.optimizer, spec.num_stages)
                 schedule = make_schedule(
-                    args.schedule, mode, spec, args.micro_batches, inflight=inflight, latency=args.latency
+                    mode, spec, args.micro_batches, inflight=inflight, latency=args.latency
                 )
                 result = run_pipeline(
                     spec, schedule, batches, eval_set, progress, wire_codecs=args.wire_codecs
                 )
                 result["inflight"] = spec.optimizer.accumulate if mode == "sync" else inflight
-                if mode == "async":
+                if mode != "sync":
                     inflight_used = inflight
             result["wall_s"] = time.perf_counter() - t0
             result["lr"], result["muon_lr"] = spec.optimizer.lr, spec.optimizer.muon_lr
@@ -738,9 +748,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
     summary = summarise(runs, references, OptimizerConfig().name)
-    async_stale = [
-        r["staleness_mean"][0] for label, by in runs.items() if label.startswith("async") for r in by.values()
-    ]
+    async_stale = {  # mode -> mean stage-0 staleness of its runs
+        mode: statistics.fmean(r["staleness_mean"][0] for by in by_mode for r in by.values())
+        for mode in ASYNC_MODES
+        if (by_mode := [by for label, by in runs.items() if label.startswith(f"{mode} ")])
+    }
     report = {
         "command": "python -m benchmarks.async_replay " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
@@ -756,9 +768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "accumulate": args.accumulate,
             "warmup_steps": args.warmup_steps,
             "inflight": inflight_used,
-            "schedule": args.schedule,
             "latency": args.latency,
-            "async_staleness": f"{statistics.fmean(async_stale):.2f}" if async_stale else "n/a",
+            "async_staleness": ", ".join(f"{m} {v:.2f}" for m, v in async_stale.items()) or "n/a",
             "wire_codecs": args.wire_codecs,
             "eval_tokens": len(eval_set) * tokens_per_mb,
             "references": references,

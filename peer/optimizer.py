@@ -10,7 +10,8 @@ Two parameter sets (note "served weights")
 -------------------------------------------
 The optimizer owns the *base* parameters ``params`` (what is checkpointed, averaged and sent to
 joining peers) and exposes :meth:`served`, the weights forwards and backwards run with. For AdamW
-they are the same tensors. For ``nesterov`` they are the look-ahead point::
+and Muon they are the same tensors unless ``lookahead`` is on (note "extrapolated weights"). For
+``nesterov`` they are the look-ahead point::
 
     served = params + c(tau) * velocity,   c(tau) = mu + mu^2 + ... + mu^(tau+1)
 
@@ -23,6 +24,22 @@ forward looks that far ahead along the momentum. ``tau`` is an exponential movin
 measured staleness (versions elapsed between a micro-batch's forward and its backward). With
 ``tau = 0`` this is exactly NAG in its look-ahead form. The update itself is heavy-ball momentum on
 the base parameters: ``v <- mu v - lr (g + wd * params)``; ``params <- params + v``.
+
+Extrapolated weights (note "extrapolated weights")
+--------------------------------------------------
+AdamW and Muon get the same idea in the form of weight prediction (as SpecTrain, Chen et al. 2018,
+and PipeMare, Yang et al. 2021, do for pipelines): with ``lookahead`` = ``k`` > 0 (muon's default 1)::
+
+    served = params + k * tau * delta,     delta = the last step's change of params
+
+A micro-batch forwarded now is applied ``tau`` steps later, to weights about ``tau`` such steps
+further on, so its gradient is taken at that predicted point. ``tau`` is the same staleness EMA as
+above: 0 in sync mode and on the last stage (served = params, no extra copy), about
+``(in flight - 1) / accumulate`` on the stages before. ``delta`` is one extra copy of the stage's
+parameters, kept only while the look-ahead is on; it is not part of the state (a loaded or newly
+joined peer starts without it, i.e. without look-ahead until its first step). Measured in
+``benchmarks/async_replay.py`` (BENCHMARKS.md, "Async replay"): it removes about half of what one
+version of staleness costs AdamW and Muon.
 
 Muon (note "muon")
 ------------------
@@ -133,6 +150,8 @@ class StageOptimizer:
         self.staleness = 0.0  # EMA of versions elapsed between forward and backward
         self.last_grad_norm = 0.0
         self.clipped_steps = 0
+        self.lookahead = cfg.lookahead_scale  # note "extrapolated weights"; 0 = off
+        self._delta: Params | None = None  # the last step's change of params (look-ahead only)
         # The parameters Muon updates; empty for adamw and nesterov.
         self.matrices = (
             [n for n, p in self.params.items() if is_muon_matrix(n, p.shape)] if cfg.name == "muon" else []
@@ -219,12 +238,15 @@ class StageOptimizer:
             grads = {n: g * scale for n, g in grads.items()}
             self.clipped_steps += 1
         lr = self.cfg.lr_at(self.step_count)
+        before = self.params
         if self.cfg.name == "nesterov":
             self._nesterov(grads, lr)
         else:
             self._adamw(grads, lr)  # every parameter of adamw; the non-matrices of muon
             if self.matrices:
                 self._muon(grads, self.cfg.muon_lr_at(self.step_count))
+        if self.lookahead:
+            self._delta = {n: p - before[n] for n, p in self.params.items()}
         self.step_count += 1
         self.zero_grad()
         self._served = self._compute_served()
@@ -271,7 +293,10 @@ class StageOptimizer:
 
     def _compute_served(self) -> Params:
         if self.cfg.name != "nesterov":
-            return self.params
+            c = self.lookahead * self.staleness  # note "extrapolated weights"
+            if c == 0.0 or self._delta is None:
+                return self.params
+            return {n: p + c * self._delta[n] for n, p in self.params.items()}
         c = lookahead_coefficient(self.cfg.momentum, self.staleness)
         vel = self.state["velocity"]
         return {n: p + c * vel[n] for n, p in self.params.items()}
@@ -360,5 +385,6 @@ class StageOptimizer:
         self.state = state
         self.step_count = int(meta.get("step_count", 0))
         self.staleness = float(meta.get("staleness", 0.0))
+        self._delta = None  # the loaded weights were not reached by a step of ours
         self.zero_grad()
         self._served = self._compute_served()

@@ -444,6 +444,11 @@ class OptimizerConfig:
     the two lrs are comparable; Muon tolerates a few times AdamW's lr. Lower it if the loss spikes."""
     muon_momentum: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """Muon's momentum (Nesterov form; ``muon`` only); None = MUON_MOMENTUM (0.95)."""
+    lookahead: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """Delay compensation of ``adamw`` and ``muon`` (peer/optimizer.py, note "extrapolated weights"):
+    forwards run on ``params + lookahead * staleness * (the last step's change)``, so a gradient that
+    lands ``staleness`` steps late was computed near the weights it is applied to. 0 = off (textbook
+    AdamW/Muon); None = 1.0 with muon, 0 with adamw. No effect in sync mode (staleness 0)."""
     schedule: str = "constant"
     """``constant`` (after warmup) or ``cosine`` (decays to min_lr_ratio * lr at total_steps)."""
     warmup_steps: int = 0
@@ -505,6 +510,18 @@ class OptimizerConfig:
                     ge=0.0,
                     lt=1.0,
                     hint=f"Use a value in [0, 1) such as {MUON_MOMENTUM}, or leave it out.",
+                ),
+            )
+        if self.lookahead is not None:
+            _set(
+                self,
+                "lookahead",
+                _check_float(
+                    f"{s}.lookahead",
+                    self.lookahead,
+                    ge=0.0,
+                    le=4.0,
+                    hint="Use 1.0 (extrapolate by the measured staleness), 0 (off), or leave it out.",
                 ),
             )
         _check_choice(f"{s}.schedule", self.schedule, SCHEDULES)
@@ -608,6 +625,15 @@ class OptimizerConfig:
         """Muon's learning rate for step ``step``: ``lr_at(step)`` scaled by ``muon_lr / lr``."""
         scale = 1.0 if self.muon_lr is None else self.muon_lr / self.lr
         return self.lr_at(step) * scale
+
+    @property
+    def lookahead_scale(self) -> float:
+        """``lookahead`` in effect: as given, else 1.0 for muon and 0 otherwise (nesterov has its own)."""
+        if self.name == "nesterov":
+            return 0.0
+        if self.lookahead is not None:
+            return self.lookahead
+        return 1.0 if self.name == "muon" else 0.0
 
     @property
     def muon_beta(self) -> float:

@@ -102,25 +102,59 @@ def test_replay_end_to_end_on_a_tiny_run(tmp_path, capsys):
     argv = ["--spec", str(spec), "--micro-batches", "8", "--seeds", "0", "1", "--eval-batches", "2"]
     argv += ["--data-bytes", "200000", "--no-markdown", "--out", str(out), "--log-every", "4"]
     argv += ["--optimizer", "torch-adamw", "--optimizer", "adamw", "--optimizer", "muon:muon_lr=0.01"]
+    argv += ["--modes", "single", "sync", "async", "--skip", "single adamw"]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     rows = report["summary"]["rows"]
+    muon = "muon:muon_lr=0.01"
     assert set(rows) == {
         "single torch-adamw",
-        *(f"{m} {o}" for m in ("single", "sync", "async") for o in ("adamw", "muon:muon_lr=0.01")),
+        f"single {muon}",
+        *(f"{m} {o}" for m in ("sync", "async") for o in ("adamw", muon)),
     }
-    # the same math three ways: torch's AdamW, the stage optimizers in one process, the replayed sync swarm
     for seed in ("0", "1"):
-        losses = [
-            report["runs"][label][seed]["evals"][-1]["loss"]
-            for label in ("single torch-adamw", "single adamw")
-        ]
-        losses.append(report["runs"]["sync adamw"][seed]["evals"][-1]["loss"])
-        assert max(losses) - min(losses) < 1e-4, losses
-        for opt in ("adamw", "muon:muon_lr=0.01"):
+        # the same math twice: in one process (torch's AdamW; the stage optimizers) and as a sync swarm
+        for pair in (("single torch-adamw", "sync adamw"), (f"single {muon}", f"sync {muon}")):
+            losses = [report["runs"][label][seed]["evals"][-1]["loss"] for label in pair]
+            assert abs(losses[0] - losses[1]) < 1e-4, (pair, losses)
+        for opt in ("adamw", muon):
             run = report["runs"][f"async {opt}"][seed]
             assert run["steps"] == [4, 4, 4] and run["staleness_mean"][-1] == 0
             assert 0 < run["staleness_mean"][0] <= 1  # 3 in flight, accumulate 2: stale by one version
-    assert set(report["summary"]["async_over_sync"]) == {"adamw", "muon:muon_lr=0.01"}
+    assert set(report["summary"]["async_over_sync"]) == {"async adamw", f"async {muon}"}
     printed = capsys.readouterr().out
-    assert "| run | held-out loss: mean" in printed and "async/sync adamw <= 1.02" in printed
+    assert "| run | held-out loss: mean" in printed and "async adamw / sync adamw <= 1.02" in printed
+
+
+def test_replay_simulated_mode_reports_its_staleness(tmp_path):
+    spec = tmp_path / "tiny.json"
+    spec.write_text(json.dumps({**TINY, "stages": 2, "model": {**TINY["model"], "n_layers": 2}}))
+    out = tmp_path / "r.json"
+    argv = [
+        "--spec",
+        str(spec),
+        "--micro-batches",
+        "8",
+        "--seeds",
+        "0",
+        "--eval-batches",
+        "1",
+        "--no-markdown",
+    ]
+    argv += [
+        "--data-bytes",
+        "200000",
+        "--out",
+        str(out),
+        "--optimizer",
+        "muon",
+        "--modes",
+        "sync",
+        "async-sim",
+    ]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    run = report["runs"]["async-sim muon"]["0"]
+    assert 0 < run["staleness_mean"][0] < 1 and run["inflight"] == 3
+    assert "async-sim" in report["config"]["async_staleness"]
+    assert "async-sim muon" in report["summary"]["async_over_sync"]

@@ -406,5 +406,32 @@ def test_muon_stage_backward_after_a_step_runs_on_the_stashed_version():
     meta, tensors = comp.export_state()
     other = StageCompute(spec, 1)
     other.import_state(meta, tensors)
-    for n, t in comp.params().items():
-        torch.testing.assert_close(other.params()[n], t)
+    for n, t in comp.optimizer.params.items():  # the base weights travel (the look-ahead is local)
+        torch.testing.assert_close(other.optimizer.params[n], t)
+
+
+def test_lookahead_extrapolates_by_the_staleness_and_is_off_without_it():
+    """Note "extrapolated weights": served = params + k * tau * (the last step's change)."""
+    cfg = OptimizerConfig(name="muon", lr=1e-2, muon_lr=0.05, clip_norm=None)
+    assert cfg.lookahead_scale == 1.0 and OptimizerConfig(name="adamw").lookahead_scale == 0.0
+    assert OptimizerConfig(name="adamw", lookahead=0.5).lookahead_scale == 0.5
+    assert OptimizerConfig(name="nesterov", lookahead=1.0).lookahead_scale == 0.0  # it has its own
+    fresh = StageOptimizer(_muon_params(), cfg)  # sync-like: every gradient on the current version
+    stale = StageOptimizer(_muon_params(), cfg)
+    for step in range(3):
+        before = dict(stale.params)
+        fresh.accumulate(_muon_grads(step), staleness=0)
+        for _ in range(10):  # drive the staleness EMA up: 1 - 0.9^10 of 1 version per step
+            stale.accumulate({n: g / 10 for n, g in _muon_grads(step).items()}, staleness=1)
+        assert fresh.step() is fresh.params  # no staleness: served = params, no copy
+        served = stale.step()
+        for n, p in stale.params.items():
+            torch.testing.assert_close(served[n], p + stale.staleness * (p - before[n]))
+    assert 0.9 < stale.staleness < 1.0
+    # a loaded state has no last step: served = params until the first step of its own
+    other = StageOptimizer(_muon_params(1), cfg)
+    other.load([t.clone() for t in stale.state_tensors()], stale.metadata())
+    assert other.served() is other.params
+    off = StageOptimizer(_muon_params(), OptimizerConfig(name="muon", lookahead=0.0))
+    off.accumulate(_muon_grads(0), staleness=5)
+    assert off.step() is off.params

@@ -218,6 +218,8 @@ BAD_VALUES = [
     ("optimizer.muon_momentum", 1.0, "< 1.0"),
     ("optimizer.muon_momentum", -0.5, ">= 0.0"),
     ("optimizer.muon_momentum", float("nan"), "finite"),
+    ("optimizer.lookahead", -1.0, ">= 0.0"),
+    ("optimizer.lookahead", 5, "<= 4.0"),
     ("optimizer.lr", 0.0, "> 0.0"),
     ("optimizer.lr", -1e-3, "> 0.0"),
     ("optimizer.lr", 100.0, "<= 10.0"),
