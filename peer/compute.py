@@ -136,6 +136,7 @@ class StageCompute:
         # shares complete while a round ran wait here, oldest first: every round takes exactly one
         # share of each replica, so a slow round never merges several steps' micro-batches into one
         self._ready: deque[tuple[list[torch.Tensor], int]] = deque()
+        self._windows: dict[str, int] = {}  # sync mode: the newest window seen per trainer
         self._digest_cache: tuple[int, list[float]] | None = None
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -187,7 +188,9 @@ class StageCompute:
         # No lock on purpose: the queue calls this while holding its own lock, and compute code
         # notifies the queue while holding ours; reading one int needs no lock (lock order stays
         # one-way: compute lock -> queue lock).
-        return self._window_forwards < self.quota()
+        if self.replicas > 1:
+            return True  # a sync window is whatever the trainer sends; it closes when this replica is done
+        return self._window_forwards < self.spec.optimizer.accumulate
 
     def quota(self) -> int:
         """Micro-batches this replica contributes to one stage step: the stage's ``accumulate``
@@ -400,7 +403,7 @@ class StageCompute:
         A replicated stage never steps here: it wakes the replica rounds instead (peer/replicas.py)."""
         self.last_gradient_at = self.stash.clock()
         if self.replicas > 1:
-            if self.optimizer.pending >= self.quota():
+            if not self.sync and self.optimizer.pending >= self.quota():
                 self._ready.append(self.optimizer.take_gradients())
                 self.on_round_due()
             return False
@@ -508,10 +511,30 @@ class StageCompute:
 
     # ---- replica rounds (peer/replicas.py) ---------------------------------------------------
 
-    def round_due(self) -> bool:
-        """A complete share of this replica waits for a round."""
+    def round_due(self, settle_s: float = 1.0) -> bool:
+        """A complete share of this replica waits for a round. In sync mode a share closes when the next
+        window begins (:meth:`note_window`), or, after the last window, once nothing is in flight here
+        and no gradient came for ``settle_s``."""
         with self.lock:
-            return bool(self._ready) and not self._round_active
+            if self._round_active:
+                return False
+            if self.sync and not self._ready and self.optimizer.pending and len(self.stash) == 0:
+                if self.stash.clock() - self.last_gradient_at >= settle_s:
+                    self._ready.append(self.optimizer.take_gradients())
+            return bool(self._ready)
+
+    def note_window(self, trainer: str, window: int) -> None:
+        """Sync mode: a training forward of ``trainer``'s window ``window`` arrived. The trainer opens a
+        window only once the previous one completed at every stage, so a newer window closes this
+        replica's share of the previous one (the forward then waits for the round: forward_allowed)."""
+        with self.lock:
+            last = self._windows.get(trainer, -1)
+            if window <= last:
+                return
+            self._windows[trainer] = window
+            if self.replicas > 1 and self.sync and self.optimizer.pending and not self._round_active:
+                self._ready.append(self.optimizer.take_gradients())
+                self.on_round_due()
 
     def can_fill_in(self, idle_s: float) -> bool:
         """This replica may join a round another replica waits for with less than its share: nothing
@@ -520,6 +543,8 @@ class StageCompute:
         with self.lock:
             if self._round_active or self._ready or len(self.stash) > 0:
                 return False
+            if self.sync:  # another replica waits: a new window began, so ours is over
+                return True
             return self.optimizer.pending == 0 or self.stash.clock() - self.last_gradient_at >= idle_s
 
     def uncombined(self) -> int:

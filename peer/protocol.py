@@ -184,6 +184,9 @@ class ForwardHeader:
     # >= counted_from (note "counted stages" in swarm/trainer.py): those stages run it without adding
     # the gradient again. -1: no stage has counted it.
     counted_from: int = -1
+    # sync mode: the trainer's step this micro-batch belongs to (-1: async). A replica that sees a newer
+    # window of a trainer knows the previous one is over everywhere (peer/replicas.py).
+    window: int = -1
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -236,6 +239,7 @@ class ForwardHeader:
             sent_at=float(sent_at),
             stats=_check_stats(d.get("stats", {}), what),
             counted_from=_opt_int(d, "counted_from", -1, what, -1, len(route)),
+            window=_opt_int(d, "window", -1, what, -1, 1 << 62),
         )
 
 

@@ -15,7 +15,10 @@ nothing, so a step never waits for a replica without work; a share is otherwise 
 
 While a round runs, an async replica keeps serving: forwards use the current version, and
 backwards accumulate into a fresh buffer for the next round (so a round adds at most one step of
-staleness). In sync mode forwards wait for the round (``StageCompute.forward_allowed``).
+staleness). In sync mode a replica's share is everything it got of the trainer's window (it is done
+once nothing is in flight and no gradient came for a moment: the trainer sends the next window only
+after this one completed everywhere), and forwards wait for the round (``forward_allowed``), so
+every gradient of a step is computed on the same version, as in a synchronous pipeline.
 
 Consistency (checked on every round, from what the members ``gather``):
 - a member whose version is behind the group's newest (it missed a round, or joined while the
@@ -65,6 +68,8 @@ class RoundsConfig:
     came for this long (with nothing at all, at once)."""
     max_failed_rounds: int = 3
     """Failed rounds in a row after which this replica steps alone (the others catch up by download)."""
+    poll_s: float = 0.25
+    """How often a replica without a share asks the DHT whether another replica waits for it."""
     min_timeout_s: float = 3.0
     """Once rounds have completed, a round waits ``4 x`` the recent round time, at least this and at
     most ``timeout_s``. The limit covers the all-reduce too (a round cut short mid-all-reduce leaves
@@ -160,7 +165,7 @@ class ReplicaRounds:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._wake.wait(timeout=min(0.2, self.config.idle_s))
+                self._wake.wait(timeout=0.05 if self.compute.sync else 0.2)
                 self._wake.clear()
                 if self._stop.is_set():
                     break
@@ -183,9 +188,9 @@ class ReplicaRounds:
             raise
 
     def _poll_due(self) -> bool:
-        """Ask the DHT whether another replica waits at most every ``idle_s`` (each ask is a DHT get)."""
+        """Ask the DHT whether another replica waits at most every ``poll_s`` (each ask is a DHT get)."""
         now = time.monotonic()
-        if now - self._last_poll < self.config.idle_s:
+        if now - self._last_poll < self.config.poll_s:
             return False
         self._last_poll = now
         return True

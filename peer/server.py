@@ -753,6 +753,8 @@ class StagePeer:
                 raise RequestError(
                     f"micro-batch {h.mb_id!r} is already in flight here; every attempt needs a new mb_id"
                 )
+            if h.window >= 0 and h.mode == "train":
+                compute.note_window(h.trainer, h.window)  # sync: a newer window closes this replica's share
             n = self._submit(
                 "forward",
                 str(remote),

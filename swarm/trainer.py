@@ -363,6 +363,7 @@ class SwarmLink:
         targets: torch.Tensor | None,
         timeout_s: float,
         counted_from: int = -1,
+        window: int = -1,
     ) -> dict[str, Any]:
         """Hand one micro-batch to ``route[0]``; returns its acknowledgement (raises
         ``PeerFailure`` / ``RequestError`` as ``peer.protocol.call`` does). ``counted_from``: see
@@ -382,6 +383,7 @@ class SwarmLink:
             tokens=pack_tokens(tokens, self.spec.model.vocab_size),
             targets=b"" if targets is None else pack_tokens(targets, self.spec.model.vocab_size),
             counted_from=counted_from,
+            window=window,
         )
         return await call(
             self.p2p, route[0], FORWARD, Message(header.to_wire(), b""), timeout_s=timeout_s, auth=self.auth
@@ -623,9 +625,12 @@ class Trainer:
         if not open_new or self._train_quota() <= 0:
             return None
         tokens, targets = next(self.stream)  # (B, T), (B, T)
-        mb = self.ledger.open(
-            "train", tokens.numel(), data={"tokens": tokens, "targets": targets, "avoid": set()}
-        )
+        data = {"tokens": tokens, "targets": targets, "avoid": set()}
+        if self.sync:
+            data["window"] = (
+                self.step
+            )  # the window being filled (peers close a replica's share on a newer one)
+        mb = self.ledger.open("train", tokens.numel(), data=data)
         if self.sync:
             self.window_left -= 1
             self.window_open += 1
@@ -666,6 +671,7 @@ class Trainer:
                 targets=mb.data["targets"],
                 timeout_s=self.config.call_timeout_s,
                 counted_from=mb.data.get("counted_from", -1),
+                window=mb.data.get("window", -1),
             )
             attempt.acked = True
         except PeerFailure as e:

@@ -150,17 +150,28 @@ def test_a_replica_adopts_a_newer_state_keeping_its_in_flight_work():
     assert comp.version == 2
 
 
-def test_sync_replica_waits_for_its_round():
-    comp = StageCompute(spec(mode="sync", accumulate=2), 0)
+def test_sync_replica_closes_its_share_when_the_next_window_begins():
+    clock = [0.0]
+    comp = StageCompute(spec(mode="sync", accumulate=2), 0, clock=lambda: clock[0])
     comp.replicas = 2
+    comp.note_window("t", 0)
     comp.forward("a", tokens(0), "train")
-    assert not comp.forward_allowed()  # its share (1 of 2) is in flight
+    comp.forward("b", tokens(1), "train")  # the trainer decides how much of a window each replica gets
     comp.backward("a", grad(0))
-    assert comp.version == 0 and comp.round_due()
+    comp.backward("b", grad(1))
+    assert comp.version == 0 and not comp.round_due()  # window 0 may still go on here
+    comp.note_window("t", 0)  # a retry of window 0 changes nothing
+    assert not comp.round_due()
+    comp.note_window("t", 1)  # window 1 began: window 0 is over everywhere
+    assert comp.round_due() and not comp.forward_allowed()  # its forward waits for the combined step
     sums, count, version = comp.take_round()
-    assert not comp.forward_allowed()  # sync: the window's forwards wait for the combined step
+    assert count == 2 and not comp.forward_allowed()
     comp.end_round([s / count for s in sums], version, None)
     assert comp.version == 1 and comp.forward_allowed()
+    comp.forward("c", tokens(2), "train")
+    comp.backward("c", grad(2))
+    clock[0] = 5.0  # after the last window: it closes by itself once quiet
+    assert comp.round_due()
 
 
 def test_a_retry_already_counted_here_adds_no_gradient():

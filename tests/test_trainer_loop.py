@@ -95,7 +95,9 @@ class SimSwarm:
             out.append(recs)
         return out
 
-    async def send_forward(self, *, route, mb_id, mode, tokens, targets, timeout_s, counted_from=-1) -> dict:
+    async def send_forward(
+        self, *, route, mb_id, mode, tokens, targets, timeout_s, counted_from=-1, window=-1
+    ) -> dict:
         self.counted_from[mb_id] = counted_from
         assert tokens.shape == (self.spec.micro_batch_size, self.spec.model.seq_len)
         if route[0] in self.dead:
