@@ -121,6 +121,12 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
             meta, tensors = self.state_fn()
             return meta, [_flatten(tensors)], None
 
+        def run(self) -> None:  # runs in the averager's own process: it must not outlive its peer
+            from swarm.processes import exit_with_parent
+
+            exit_with_parent()
+            super().run()
+
         async def _set_group_size(self, size: int) -> None:  # runs in the averager process (via its pipe)
             self._matchmaking.min_group_size = size
             self._matchmaking.target_group_size = size

@@ -24,6 +24,7 @@ package and explains the expected shape with an example.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import shutil
@@ -297,6 +298,22 @@ def _apply_socket_prefix() -> None:
         P2P._UNIX_SOCKET_PREFIX = "/unix" + prefix  # read when a P2P (daemon or replica) starts
 
 
+@functools.lru_cache(maxsize=1)
+def _dht_class() -> type:
+    """``hivemind.DHT`` whose forked process (and its ``p2pd``) exits when the process that started it
+    dies, even by SIGKILL (``swarm.processes.exit_with_parent``)."""
+    import hivemind
+
+    from swarm.processes import exit_with_parent
+
+    class _DHT(hivemind.DHT):
+        def run(self) -> None:  # runs in the DHT's own process
+            exit_with_parent()
+            super().run()
+
+    return _DHT
+
+
 def start_dht(cfg: DHTConfig) -> hivemind.DHT:
     """Start (or create, if ``cfg.start`` is False) this process's DHT node with the swarm's validators.
 
@@ -304,7 +321,6 @@ def start_dht(cfg: DHTConfig) -> hivemind.DHT:
     be reached (the daemon refuses to start without any of them). Callers own the returned DHT and
     must call ``dht.shutdown()`` in ``finally``.
     """
-    import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.dht.schema import SchemaValidator
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -324,7 +340,7 @@ def start_dht(cfg: DHTConfig) -> hivemind.DHT:
             SchemaValidator(RegistryKeysSchema, prefix=KEY_PREFIX, allow_extra_keys=True),
         ]
         try:
-            dht = hivemind.DHT(
+            dht = _dht_class()(
                 initial_peers=list(cfg.initial_peers) or None,
                 start=cfg.start,
                 host_maddrs=list(cfg.host_maddrs),

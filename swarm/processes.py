@@ -8,6 +8,11 @@ stalls because ``p2pd`` is already gone, multiprocessing's exit hook joins them 
 command never exits. After a command has shut down cleanly, :func:`reap_children` gives whatever
 is left a grace period and then kills it.
 
+A SIGKILLed process cannot stop its children at all: :func:`exit_with_parent` runs in each hivemind
+child we start (the DHT process and the averager, see ``swarm.network.start_dht`` and
+``peer.averaging``) and, once its parent is gone, kills the child's own descendants (``p2pd``) and
+exits, so nothing is left behind with parent 1 (Linux and macOS: it watches ``os.getppid()``).
+
 A SIGKILLed process cannot remove its hivemind unix socket files either; whoever killed it can, with
 :func:`remove_stale_sockets` over the socket prefix its processes were given (``swarm.network``'s
 ``SWARMPIPE_SOCKET_PREFIX``).
@@ -15,21 +20,47 @@ A SIGKILLed process cannot remove its hivemind unix socket files either; whoever
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from types import FrameType
 
 import psutil
 
-__all__ = ["child_socket_prefix", "reap_children", "remove_stale_sockets", "terminate_as_interrupt"]
+__all__ = [
+    "child_socket_prefix",
+    "exit_with_parent",
+    "reap_children",
+    "remove_stale_sockets",
+    "terminate_as_interrupt",
+]
 
 # torch's shared-memory manager exits on its own when its parent does.
 _SELF_EXITING = ("torch_shm_manager",)
+
+
+def exit_with_parent(poll_s: float = 0.5) -> threading.Thread:
+    """Call first thing in a forked child: a daemon thread that notices the parent's death (this process
+    is re-parented) within ``poll_s``, SIGKILLs this process's descendants and exits with status 1."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 def reap_children(grace_s: float = 5.0) -> list[str]:

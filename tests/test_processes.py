@@ -1,6 +1,8 @@
 """Process hygiene of command entry points (swarm/processes.py)."""
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -78,3 +80,49 @@ def test_remove_stale_sockets_removes_only_files_nobody_listens_on():
         finally:
             live.close()
             stale.close()
+
+
+ORPHAN_SCRIPT = textwrap.dedent(
+    """
+    import time, torch
+    from swarm.network import DHTConfig, start_dht
+    from peer.averaging import StageAverager
+
+    dht = start_dht(DHTConfig())
+    shapes = [torch.zeros(4)]
+    averager = StageAverager.create(
+        dht, run_id="orphans", spec_hash="0", stage=0, shapes=shapes, grad_shapes=[s.shape for s in shapes],
+        state_fn=lambda: ({}, shapes),
+    )
+    averager.wait_ready(30)
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_sigkilled_process_leaves_no_dht_averager_or_p2pd_behind():
+    env = dict(os.environ, HIVEMIND_LOGLEVEL="ERROR")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_SCRIPT],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = sorted(c.name() for c in children)
+        assert len(children) >= 3 and any("p2pd" in n for n in names), names  # DHT, averager, p2pd
+        proc.kill()  # SIGKILL: no handler, no finally, no atexit runs in the parent
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while (left := [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        assert left == [], f"left behind after SIGKILL: {[(c.pid, c.name()) for c in left]}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
