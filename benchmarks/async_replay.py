@@ -520,12 +520,15 @@ def summarise(runs: dict[str, dict[str, dict]], references: Sequence[str], defau
         f"{label} / sync {label.partition(' ')[2]} <= {ASYNC_WITHIN}": check(r, ASYNC_WITHIN)
         for label, r in async_sync.items()
     }
-    adamw = final.get(f"single {TORCH_ADAMW}")
+    adamw = next((label for label in final if label.startswith(f"single {TORCH_ADAMW}")), None)
     for label, losses in final.items():
-        mode, _, opt = label.partition(" ")
-        if adamw is not None and mode == "single" and opt != TORCH_ADAMW:
-            ratio = _spread([losses[s] / adamw[s] for s in seeds])
-            checks[f"single {opt} / single {TORCH_ADAMW} <= {SINGLE_WITHIN}"] = check(ratio, SINGLE_WITHIN)
+        if (
+            adamw is not None
+            and label.startswith("single ")
+            and not label.startswith(f"single {TORCH_ADAMW}")
+        ):
+            ratio = _spread([losses[s] / final[adamw][s] for s in seeds])
+            checks[f"{label} / {adamw} <= {SINGLE_WITHIN}"] = check(ratio, SINGLE_WITHIN)
     return {
         "seeds": seeds,
         "rows": rows,
@@ -573,6 +576,22 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+
+
+def merge_reports(reports: Sequence[dict]) -> dict:
+    """One report from several of the same setup (e.g. one per seed): runs joined, summary recomputed."""
+    merged = json.loads(json.dumps(reports[0]))  # a deep copy
+    keys = ("spec", "micro_batches", "accumulate", "warmup_steps", "eval_tokens", "wire_codecs")
+    for other in reports[1:]:
+        if any(other["config"][k] != merged["config"][k] for k in keys):
+            raise ConfigError(f"cannot merge results of different setups: compare their config {keys}")
+        for label, by_seed in other["runs"].items():
+            merged["runs"].setdefault(label, {}).update(by_seed)
+        merged["command"] = f"{merged['command']}; {other['command']}"
+    merged["summary"] = summarise(
+        merged["runs"], merged["config"]["references"], merged["summary"]["default"]
+    )
+    return merged
 
 
 def _lrs(label: str, by_seed: dict[str, dict]) -> str:
@@ -667,15 +686,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--from-json",
         type=Path,
+        nargs="+",
         default=None,
-        help="no training: rewrite the section from a results file (with the --reading lines given now)",
+        help="no training: merge results files (e.g. one per seed, run in parallel) into --out and rewrite "
+        "the section from them (with the --reading lines given now)",
     )
     args = p.parse_args(argv)
-    if args.from_json is not None:
-        report = json.loads(args.from_json.read_text())
+    if args.from_json:
+        report = merge_reports([json.loads(path.read_text()) for path in args.from_json])
         if args.reading:
             report["reading"] = args.reading
-            args.from_json.write_text(json.dumps(report, indent=1) + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
         print("\n".join(markdown_table(report["summary"], report["config"]["references"])))
         if not args.no_markdown:
             write_section(markdown(report))
@@ -699,9 +722,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (mode == "single" or c.name != TORCH_ADAMW) and f"{mode} {c.label}" not in skip
     ]
     labels = [f"{mode} {c.label}" for c, mode in plan]
-    references = (
-        args.reference or [f"single {TORCH_ADAMW}"] + [x for x in labels if x.startswith("single muon")][:1]
-    )
+    references = args.reference or [
+        *[x for x in labels if x.startswith(f"single {TORCH_ADAMW}")][:1],
+        *[x for x in labels if x.startswith("single muon")][:1],
+    ]
     if args.micro_batches % args.accumulate:
         p.error(f"--micro-batches {args.micro_batches} must be a multiple of --accumulate {args.accumulate}")
     eval_every = args.eval_every or max(args.accumulate, args.micro_batches // 4)
