@@ -302,9 +302,10 @@ def test_live_peer_survives_thousands_of_malformed_requests():
             values = [None, -1, 0, 2**40, 1.5, float("nan"), "", "x" * 300, b"\0", [], {}, True, [1, "a"]]
             for _ in range(n_random):
                 h = dict(base)
-                # every listed value is invalid for these fields (sent_at, stats and unknown keys
-                # legitimately accept some of them, so they are not mutated here)
-                key = rng.choice([k for k in h if k not in ("sent_at", "stats")])
+                # every listed value is invalid for these fields (sent_at, stats, the optional integers
+                # counted_from and window (-1, 0 and 2**40 are valid there) and unknown keys legitimately
+                # accept some of them, so they are not mutated here)
+                key = rng.choice([k for k in h if k not in ("sent_at", "stats", "counted_from", "window")])
                 h[key] = rng.choice(values)
                 add("mutated", signed(h, good), r".")
 
