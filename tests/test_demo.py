@@ -80,7 +80,9 @@ def test_demo_with_chaos_trains_writes_out_and_leaves_nothing(tmp_path):
     assert status["run_id"] == "demo" and status["num_stages"] == 2
     summary = json.loads((out / "summary.json").read_text())
     mb = summary["micro_batches"]
-    assert mb["completed"] == 72 and mb["opened"] == mb["completed"] + mb["dropped"]  # 36 steps x accumulate 2
+    assert (
+        mb["completed"] == 72 and mb["opened"] == mb["completed"] + mb["dropped"]
+    )  # 36 steps x accumulate 2
     demo = summary["demo"]
     assert len(demo["chaos"]) == 1 and sum(p["killed"] for p in demo["peers"]) == 1
     assert len(demo["peers"]) == 5  # 2 x 2 and the fresh one
