@@ -578,9 +578,12 @@ def machine() -> dict[str, Any]:
     }
 
 
-def merge_reports(reports: Sequence[dict]) -> dict:
-    """One report from several of the same setup (e.g. one per seed): runs joined, summary recomputed."""
+def merge_reports(reports: Sequence[dict], references: Sequence[str] | None = None) -> dict:
+    """One report from several of the same setup (e.g. one per seed): runs joined, summary recomputed
+    against ``references`` (default: the first report's)."""
     merged = json.loads(json.dumps(reports[0]))  # a deep copy
+    if references:
+        merged["config"]["references"] = list(references)
     keys = ("spec", "micro_batches", "accumulate", "warmup_steps", "eval_tokens", "wire_codecs")
     for other in reports[1:]:
         if any(other["config"][k] != merged["config"][k] for k in keys):
@@ -588,6 +591,9 @@ def merge_reports(reports: Sequence[dict]) -> dict:
         for label, by_seed in other["runs"].items():
             merged["runs"].setdefault(label, {}).update(by_seed)
         merged["command"] = f"{merged['command']}; {other['command']}"
+        merged["config"]["optimizers"] += [
+            o for o in other["config"]["optimizers"] if o not in merged["config"]["optimizers"]
+        ]
     merged["summary"] = summarise(
         merged["runs"], merged["config"]["references"], merged["summary"]["default"]
     )
@@ -693,7 +699,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.from_json:
-        report = merge_reports([json.loads(path.read_text()) for path in args.from_json])
+        reports = [json.loads(path.read_text()) for path in args.from_json]
+        report = merge_reports(reports, references=args.reference)
         if args.reading:
             report["reading"] = args.reading
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from benchmarks.async_replay import (
     Action,
     OptimizerChoice,
     main,
+    merge_reports,
     simulated_schedule,
     staleness_profile,
     steady_schedule,
@@ -158,3 +159,26 @@ def test_replay_simulated_mode_reports_its_staleness(tmp_path):
     assert 0 < run["staleness_mean"][0] < 1 and run["inflight"] == 3
     assert "async-sim" in report["config"]["async_staleness"]
     assert "async-sim muon" in report["summary"]["async_over_sync"]
+
+
+def test_merge_reports_joins_seeds_and_recomputes_the_ratios():
+    def report(seed: str, sync: float, asyn: float, ref: float) -> dict:
+        runs = {
+            "single torch-adamw": {seed: {"evals": [{"loss": ref}]}},
+            "sync muon": {seed: {"evals": [{"loss": sync}]}},
+            "async muon": {seed: {"evals": [{"loss": asyn}]}},
+        }
+        config = {"spec": "x", "micro_batches": 4, "accumulate": 2, "warmup_steps": 0, "eval_tokens": 8}
+        config |= {"wire_codecs": False, "references": ["single torch-adamw"], "optimizers": ["muon"]}
+        return {"command": f"seed {seed}", "config": config, "runs": runs, "summary": {"default": "adamw"}}
+
+    merged = merge_reports([report("0", 1.0, 1.01, 2.0), report("1", 1.0, 1.05, 2.0)])
+    assert merged["summary"]["seeds"] == ["0", "1"]
+    ratio = merged["summary"]["async_over_sync"]["async muon"]
+    assert ratio["per_seed"] == pytest.approx([1.01, 1.05]) and ratio["mean"] == pytest.approx(1.03)
+    assert merged["summary"]["rows"]["sync muon"]["vs single torch-adamw"]["mean"] == pytest.approx(0.5)
+    assert not merged["summary"]["checks"]["async muon / sync muon <= 1.02"]["met"]
+    other = report("2", 1.0, 1.0, 2.0)
+    other["config"]["micro_batches"] = 8
+    with pytest.raises(ConfigError, match="different setups"):
+        merge_reports([report("0", 1.0, 1.0, 2.0), other])
