@@ -63,7 +63,7 @@ def test_demo_with_chaos_trains_writes_out_and_leaves_nothing(tmp_path):
     out = tmp_path / "demo"
     proc = start_demo(out, "--steps", "36", "--chaos")
     try:
-        output, _ = proc.communicate(timeout=240)
+        output, _ = proc.communicate(timeout=480)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
