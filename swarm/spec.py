@@ -441,9 +441,12 @@ class OptimizerConfig:
     muon_lr: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """Peak learning rate of Muon's matrices (``muon`` only; follows the same warmup and schedule as
     ``lr``); None = ``lr``. Muon's update is scaled to the RMS of an AdamW update (0.2 per element), so
-    the two lrs are comparable; Muon tolerates a few times AdamW's lr. Lower it if the loss spikes."""
+    the two lrs are comparable; at the demo's size 0.005-0.01 (with lr 3e-3) trained best in one
+    process, and 0.005 lost less to async staleness (BENCHMARKS.md, "Async replay"). Lower it if the
+    loss spikes."""
     muon_momentum: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
-    """Muon's momentum (Nesterov form; ``muon`` only); None = MUON_MOMENTUM (0.95)."""
+    """Muon's momentum (Nesterov form; ``muon`` only); None = MUON_MOMENTUM (0.95). 0.8 trained better
+    at the demo's size, in one process and async."""
     lookahead: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """Delay compensation of ``adamw`` and ``muon`` (peer/optimizer.py, note "extrapolated weights"):
     forwards run on ``params + lookahead * staleness * (the last step's change)``, so a gradient that
