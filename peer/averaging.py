@@ -202,7 +202,7 @@ class StageAverager:
         run_id: str,
         spec_hash: str,
         stage: int,
-        shapes: list[torch.Tensor],
+        shapes: list[torch.Tensor | torch.Size],
         grad_shapes: list[torch.Size],
         state_fn: StateFn,
         min_matchmaking_time_s: float = 2.0,
@@ -218,7 +218,7 @@ class StageAverager:
         """
         averager_cls = _make_averager_class()
         prefix = averager_prefix(run_id, spec_hash, stage)
-        sizes = [t.shape for t in shapes]
+        sizes = [t if isinstance(t, torch.Size) else t.shape for t in shapes]
         grad_numel = sum(s.numel() for s in grad_shapes)
         buffer = torch.zeros(grad_numel + 1, dtype=torch.float32)  # (gradient sums, count), flattened
         averager = averager_cls(

@@ -103,6 +103,10 @@ class PeerConfig:
     """A backward payload whose root-mean-square exceeds this is refused as absurd (and penalized)."""
     max_activation_rms: float = 1e6
     """A forward payload whose root-mean-square exceeds this is refused as absurd."""
+    start_fresh: bool = False
+    """Start a stage from its initial weights even though the run has trained and no live replica,
+    keeper snapshot or checkpoint of the stage can be loaded (otherwise the peer refuses to start:
+    ``swarm.snapshots.StageStateLost``). The event is published for trainers and monitors."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -153,6 +157,8 @@ class PeerConfig:
             raise ConfigError(
                 "secret must be the 32 bytes of a join secret (swarm.auth.load_secret reads it)"
             )
+        if not isinstance(self.start_fresh, bool):
+            raise ConfigError(f"start_fresh={self.start_fresh!r} must be True or False")
         if self.checkpoint_dir is not None:
             set_(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         if self.identity_path is not None:

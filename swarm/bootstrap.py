@@ -12,6 +12,10 @@ From Python (``swarm demo`` and tests)::
         boot.serve(stop_event)          # refresh + status lines until stop_event is set
 
 From a shell: ``swarm init examples/tiny.yaml`` (see ``swarm/commands/init.py``).
+
+With ``keeper=KeeperConfig(...)`` (``swarm init`` sets one unless ``--no-keeper``) the owner also keeps
+recent snapshots of every stage (``swarm/keeper.py``): loaded and declared in ``start``, taken by a
+background thread that ``serve`` starts.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from swarm.status import RunStatus, gather_run_status, status_line
 if TYPE_CHECKING:
     import hivemind
 
+    from swarm.keeper import Keeper, KeeperConfig
     from swarm.spec import RunSpec
 
 __all__ = ["BootstrapConfig", "Bootstrap"]
@@ -52,6 +57,8 @@ class BootstrapConfig:
     """The join secret of a private run (``spec.access.private``): the owner checks peers' proofs too."""
     secret_file: str | None = None
     """Where the secret is stored; the join commands point joiners to a copy of it."""
+    keeper: KeeperConfig | None = None
+    """Keep snapshots of every stage of ``spec`` (swarm/keeper.py); None = no keeper."""
 
     def __post_init__(self) -> None:
         for name in ("refresh_interval_s", "status_interval_s", "spec_expiration_s", "registry_expiration_s"):
@@ -75,6 +82,7 @@ class Bootstrap:
         self.membership: Membership | None = None
         self._last_refresh = -math.inf
         self.last_status: RunStatus | None = None
+        self.keeper: Keeper | None = None
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -92,6 +100,10 @@ class Bootstrap:
                 self.membership.set_auth(RunAuth.from_spec(spec, self.cfg.secret))
                 self._refuse_taken_run_id(spec)
             self.refresh()
+            if spec is not None and self.cfg.keeper is not None:
+                from swarm.keeper import Keeper
+
+                self.keeper = Keeper(self.dht, self.membership, spec, self.cfg.keeper).start()
         except BaseException:
             self.close()
             raise
@@ -112,6 +124,9 @@ class Bootstrap:
 
     def close(self) -> None:
         """Shut the DHT node down (its records expire by themselves). Idempotent."""
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.close()
         dht, self.dht, self.membership = self.dht, None, None
         if dht is not None:
             dht.shutdown()
@@ -181,7 +196,13 @@ class Bootstrap:
             names = ", ".join(sorted({e.run_id for e in runs})) or "none"
             return f"bootstrap: {len(runs)} runs registered ({names})"
         self.last_status = gather_run_status(membership, spec_timeout_s=1.0)
-        return status_line(self.last_status)
+        line = status_line(self.last_status)
+        if self.keeper is not None:
+            held = " ".join(
+                f"{s}:v{snap.version}" if snap else f"{s}:-" for s, snap in enumerate(self.keeper.held)
+            )
+            line += f" | snapshots {held}"
+        return line
 
     def serve(self, stop: threading.Event, out: Callable[[str], None] = print) -> None:
         """Refresh and print status lines until ``stop`` is set.
@@ -190,6 +211,8 @@ class Bootstrap:
         outlive a bad moment of the network.
         """
         tick = min(self.cfg.status_interval_s, self.cfg.refresh_interval_s)
+        if self.keeper is not None and not self.keeper.running:
+            self.keeper.start_background(out)
         last_line = time.monotonic()
         while not stop.wait(tick):
             try:

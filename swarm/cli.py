@@ -19,6 +19,7 @@ from swarm.version import __version__
 COMMAND_MODULES = (
     "init",
     "peer",
+    "keeper",
     "train",
     "demo",
     "status",

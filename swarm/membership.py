@@ -28,6 +28,8 @@ removes a dead peer's record):
   that record outlives the last ``online`` one (later expiration wins for a subkey).
 - spec: 300 s, registry entries: 120 s, both refreshed by the run's bootstrap (``swarm init``);
 - progress: 60 s, refreshed by each trainer every few seconds.
+- snapshot indexes: 120 s, refreshed by each keeper (``swarm/keeper.py``) every 30 s;
+- stage events: 1 hour, written once by the peer that restored (or restarted) a stage.
 """
 
 from __future__ import annotations
@@ -49,12 +51,16 @@ from swarm.records import (
     ProgressRecord,
     RunEntry,
     RunKeysSchema,
+    SnapshotIndex,
     SpecRecord,
+    StageEvent,
     check_run_id,
+    events_key,
     labelled_subkey,
     peer_id_of_subkey,
     progress_key,
     run_prefix,
+    snapshots_key,
     spec_key,
     stage_key,
 )
@@ -71,6 +77,8 @@ __all__ = [
     "SPEC_EXPIRATION_S",
     "REGISTRY_EXPIRATION_S",
     "PROGRESS_EXPIRATION_S",
+    "SNAPSHOT_INDEX_EXPIRATION_S",
+    "EVENT_EXPIRATION_S",
     "Membership",
 ]
 
@@ -81,6 +89,8 @@ PEER_EXPIRATION_S = 15.0
 SPEC_EXPIRATION_S = 300.0
 REGISTRY_EXPIRATION_S = 120.0
 PROGRESS_EXPIRATION_S = 60.0
+SNAPSHOT_INDEX_EXPIRATION_S = 120.0
+EVENT_EXPIRATION_S = 3600.0
 _POLL_S = 0.25  # fetch_spec re-reads this often while waiting for the spec to appear
 
 T = TypeVar("T")
@@ -477,3 +487,58 @@ class Membership:
             "tokens_per_s": math.fsum(r.tokens_per_s for r in records),
             "loss": math.fsum(losses) / len(losses) if losses else None,
         }
+
+    # ----------------------------------------------------------------- snapshots and stage events
+
+    def publish_snapshot_index(
+        self, index: SnapshotIndex, expiration_s: float = SNAPSHOT_INDEX_EXPIRATION_S
+    ) -> bool:
+        """Publish what this keeper holds (one subkey per keeper; refresh before it expires)."""
+        run_id = self._run()
+        if index.run_id != run_id or index.keeper_id != self.peer_id:
+            raise ConfigError(
+                f"snapshot index of run {index.run_id!r} by {index.keeper_id} cannot be published by "
+                f"{self.peer_id} in run {run_id!r}: build it with keeper_id=membership.peer_id"
+            )
+        return self._store(
+            snapshots_key(run_id), self._signer.marker, index.to_wire() | self._proof(), expiration_s
+        )
+
+    def snapshot_indexes(self) -> list[SnapshotIndex]:
+        """Valid snapshot indexes of the run's live keepers, sorted by keeper id."""
+        run_id = self._run()
+        [items] = self._get_many([snapshots_key(run_id)])
+        spec_hash, auth = self.spec_hash, self.auth
+
+        def parse(value: Any, subkey: Any) -> SnapshotIndex:
+            index = SnapshotIndex.from_wire(value, subkey=subkey, run_id=run_id, spec_hash=spec_hash)
+            if auth is not None:
+                auth.check_record(index.keeper_id, value)
+            return index
+
+        return sorted(self._parse(items, parse), key=lambda i: i.keeper_id)
+
+    def publish_event(self, event: StageEvent, expiration_s: float = EVENT_EXPIRATION_S) -> bool:
+        """Publish a stage event (a rollback or a fresh start) for trainers and monitors to show."""
+        run_id = self._run()
+        if event.run_id != run_id or event.peer_id != self.peer_id:
+            raise ConfigError(
+                f"event of run {event.run_id!r} by {event.peer_id} cannot be published by {self.peer_id} "
+                f"in run {run_id!r}: build it with peer_id=membership.peer_id"
+            )
+        subkey = labelled_subkey(event.event_id, self._signer.marker)
+        return self._store(events_key(run_id), subkey, event.to_wire() | self._proof(), expiration_s)
+
+    def events(self) -> list[StageEvent]:
+        """Valid stage events of the run (the last ``EVENT_EXPIRATION_S``), oldest first."""
+        run_id = self._run()
+        [items] = self._get_many([events_key(run_id)])
+        spec_hash, auth = self.spec_hash, self.auth
+
+        def parse(value: Any, subkey: Any) -> StageEvent:
+            event = StageEvent.from_wire(value, subkey=subkey, run_id=run_id, spec_hash=spec_hash)
+            if auth is not None:
+                auth.check_record(event.peer_id, value)
+            return event
+
+        return sorted(self._parse(items, parse), key=lambda e: (e.at, e.peer_id))

@@ -564,6 +564,14 @@ def _render_run(run: Mapping[str, Any]) -> str:
                 f'<td class="r">{human(t["tokens_per_s"])}</td><td class="r">{_num(t["loss"], ".4f")}</td></tr>'
             )
         out.append("</tbody></table>")
+    for k in run.get("keepers", []):
+        held = " ".join(f"{s}:v{v}" if v >= 0 else f"{s}:-" for s, v in enumerate(k["versions"]))
+        out.append(
+            f'<p class="note">keeper <span class="mono">{_esc(_short(k["keeper_id"]))}</span>: stage snapshots '
+            f"{_esc(held)} (every {k['interval_s']:.0f} s)</p>"
+        )
+    for e in run.get("events", []):
+        out.append(f'<p class="warn">event: {_esc(e["text"])}</p>')
     for n in run.get("notes", []):
         out.append(f'<p class="note">note: {_esc(n)}</p>')
     out.append("</section>")
@@ -700,6 +708,12 @@ def render_prometheus(snapshot: Mapping[str, Any]) -> str:
         gauge("swarm_run_uncovered_stages", "Stages without an active peer", r, len(run["uncovered_stages"]))
         gauge("swarm_run_peers", "Distinct active stage peers", r, run["peers"])
         gauge("swarm_run_trainers", "Trainers publishing progress", r, len(p.get("trainers", {})))
+        gauge(
+            "swarm_run_stage_events",
+            "Stage rollbacks and fresh starts of the last hour",
+            r,
+            len(run.get("events", [])),
+        )
         gauge(
             "swarm_run_tokens", "Tokens trained by live trainers (sum of their totals)", r, p.get("tokens", 0)
         )

@@ -10,6 +10,9 @@ Keys (all strings; ``<run>`` is the run id)::
     swarmpipe_<run>_spec          the run spec: subkey = owner marker, value: SpecRecord
     swarmpipe_<run>_stage_<i>     stage i: one subkey per peer, value: PeerRecord
     swarmpipe_<run>_progress      one subkey per trainer, value: ProgressRecord
+    swarmpipe_<run>_snapshots     one subkey per keeper (swarm/keeper.py), value: SnapshotIndex
+    swarmpipe_<run>_events        one subkey per (event, peer), value: StageEvent (a stage restored
+                                  from a snapshot or checkpoint, or restarted from initial weights)
 
 Why this scheme: hivemind keys may be any msgpack value (they are hashed into DHT ids), but
 ``SchemaValidator`` can only check keys spelled ``<prefix>_<field>``, so every key here has that
@@ -61,11 +64,17 @@ __all__ = [
     "RunEntry",
     "ProgressRecord",
     "SpecRecord",
+    "SnapshotIndex",
+    "StageEvent",
+    "EVENT_KINDS",
+    "EVENT_SOURCES",
     "check_run_id",
     "run_prefix",
     "stage_key",
     "spec_key",
     "progress_key",
+    "snapshots_key",
+    "events_key",
     "owner_marker_in",
     "peer_id_of_subkey",
     "peer_id_from_ssh_public_key",
@@ -132,6 +141,16 @@ def spec_key(run_id: str) -> str:
 def progress_key(run_id: str) -> str:
     """Key holding one subkey per trainer with its training progress."""
     return f"{run_prefix(run_id)}_progress"
+
+
+def snapshots_key(run_id: str) -> str:
+    """Key holding one subkey per keeper with the versions of the stage snapshots it holds."""
+    return f"{run_prefix(run_id)}_snapshots"
+
+
+def events_key(run_id: str) -> str:
+    """Key holding the run's stage events (one labelled subkey per event and peer)."""
+    return f"{run_prefix(run_id)}_events"
 
 
 # ------------------------------------------------------------------------------------------ subkeys
@@ -470,6 +489,206 @@ class ProgressRecord:
         return cls(**fields)
 
 
+_MAX_TIME = 1e11  # wall-clock seconds (year ~5138): anything above is garbage
+
+
+def _time(d: dict, name: str) -> float:
+    value = d.get(name)
+    if not isinstance(value, float) or not math.isfinite(value) or not 0.0 <= value <= _MAX_TIME:
+        raise RecordError(f"field {name!r}={value!r:.40} must be a finite float of wall-clock seconds")
+    return value
+
+
+def _version_list(d: dict, name: str, n: int | None) -> tuple[int, ...]:
+    """A list of per-stage versions, -1 = none."""
+    value = d.get(name)
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= MAX_STAGES
+        or (n is not None and len(value) != n)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and -1 <= v <= _MAX_COUNT for v in value)
+    ):
+        want = f"{n}" if n is not None else f"1..{MAX_STAGES}"
+        raise RecordError(f"field {name!r}={value!r:.60} must be a list of {want} integers >= -1")
+    return tuple(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotIndex:
+    """What one keeper holds: per stage, the version of its newest snapshot (-1: none), when it was
+    taken, and the highest version it saw the stage's live peers announce (-1: none seen)."""
+
+    keeper_id: str  # peer id of the keeper (must sign the subkey)
+    run_id: str
+    spec_hash: str
+    versions: tuple[int, ...]
+    taken_at: tuple[float, ...]  # wall-clock seconds, 0.0 where there is no snapshot
+    seen: tuple[int, ...]
+    interval_s: float  # how often the keeper takes snapshots
+    software: str = __version__
+
+    def __post_init__(self) -> None:
+        for name in ("versions", "taken_at", "seen"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        object.__setattr__(self, "taken_at", tuple(float(t) for t in self.taken_at))
+        if isinstance(self.interval_s, int) and not isinstance(self.interval_s, bool):
+            object.__setattr__(self, "interval_s", float(self.interval_s))
+        SnapshotIndex._validate(self.to_wire())
+
+    def to_wire(self) -> dict:
+        return {
+            "v": RECORD_VERSION,
+            "keeper_id": self.keeper_id,
+            "run_id": self.run_id,
+            "spec_hash": self.spec_hash,
+            "versions": list(self.versions),
+            "taken_at": list(self.taken_at),
+            "seen": list(self.seen),
+            "interval_s": self.interval_s,
+            "software": self.software,
+        }
+
+    @staticmethod
+    def _validate(d: object) -> dict:
+        d = _wire_dict(d, "snapshot index")
+        versions = _version_list(d, "versions", None)
+        taken = d.get("taken_at")
+        if (
+            not isinstance(taken, list)
+            or len(taken) != len(versions)
+            or not all(isinstance(t, float) and math.isfinite(t) and 0.0 <= t <= _MAX_TIME for t in taken)
+        ):
+            raise RecordError(f"field 'taken_at'={taken!r:.60} must be {len(versions)} wall-clock floats")
+        return {
+            "keeper_id": _str(d, "keeper_id", _PEER_ID_RE),
+            "run_id": _str(d, "run_id", _RUN_ID_RE),
+            "spec_hash": _str(d, "spec_hash", _SPEC_HASH_RE),
+            "versions": versions,
+            "taken_at": tuple(taken),
+            "seen": _version_list(d, "seen", len(versions)),
+            "interval_s": _rate(d, "interval_s"),
+            "software": _str(d, "software", max_len=32),
+        }
+
+    @classmethod
+    def from_wire(
+        cls, value: object, *, subkey: object, run_id: str, spec_hash: str | None = None
+    ) -> SnapshotIndex:
+        """Validate an index read from ``snapshots_key(run_id)``; the subkey must be the keeper's marker."""
+        fields = cls._validate(value)
+        if fields["run_id"] != run_id:
+            raise RecordError(f"snapshot index of run {fields['run_id']!r} found under run {run_id!r}")
+        if spec_hash is not None and fields["spec_hash"] != spec_hash:
+            raise RecordError(
+                f"snapshot index has spec hash {fields['spec_hash']}, this run's is {spec_hash}"
+            )
+        owner = peer_id_of_subkey(subkey)
+        if owner != fields["keeper_id"]:
+            raise RecordError(f"snapshot index claims keeper {fields['keeper_id']} but is signed by {owner}")
+        return cls(**fields)
+
+
+EVENT_KINDS = ("rollback", "fresh")
+EVENT_SOURCES = ("keeper", "checkpoint", "seed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageEvent:
+    """A stage lost its live state: a peer restored it from a snapshot or checkpoint (``rollback``) or
+    started it from initial weights (``fresh``, only with ``--start-fresh``) in a run that had trained."""
+
+    peer_id: str  # the peer that started the stage (signs the subkey)
+    run_id: str
+    spec_hash: str
+    stage: int
+    kind: str  # one of EVENT_KINDS
+    source: str  # one of EVENT_SOURCES: where the stage's state came from
+    version: int  # the version the stage continues from
+    lost_from: int  # the highest version the stage was last seen at (-1: unknown)
+    at: float  # wall-clock seconds when it happened
+    software: str = __version__
+
+    def __post_init__(self) -> None:
+        if isinstance(self.at, int) and not isinstance(self.at, bool):
+            object.__setattr__(self, "at", float(self.at))
+        StageEvent._validate(self.to_wire())
+
+    @property
+    def event_id(self) -> str:
+        """The label of the event's subkey: unique per peer, stage and time (milliseconds)."""
+        return f"s{self.stage}-{self.kind}-{int(self.at * 1000)}"
+
+    @property
+    def lost_versions(self) -> int | None:
+        """Stage steps of training lost, when the version it was last seen at is known."""
+        return None if self.lost_from < 0 else max(0, self.lost_from - self.version)
+
+    def describe(self) -> str:
+        """One line for trainers and the monitor."""
+        lost = self.lost_versions
+        lost_text = "" if lost is None else f"; {lost} stage step{'s' if lost != 1 else ''} of training lost"
+        seen = "" if self.lost_from < 0 else f" (last seen at version {self.lost_from})"
+        if self.kind == "fresh":
+            return (
+                f"stage {self.stage} restarted from its initial weights by peer {self.peer_id[:12]} "
+                f"(--start-fresh){seen}{lost_text}"
+            )
+        what = "a keeper's snapshot" if self.source == "keeper" else f"a {self.source}"
+        return (
+            f"stage {self.stage} lost every live replica and was rolled back to {what} at version "
+            f"{self.version}{seen}{lost_text}"
+        )
+
+    def to_wire(self) -> dict:
+        return {"v": RECORD_VERSION, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+
+    @staticmethod
+    def _validate(d: object) -> dict:
+        d = _wire_dict(d, "stage event")
+        out = {
+            "peer_id": _str(d, "peer_id", _PEER_ID_RE),
+            "run_id": _str(d, "run_id", _RUN_ID_RE),
+            "spec_hash": _str(d, "spec_hash", _SPEC_HASH_RE),
+            "stage": _count(d, "stage"),
+            "kind": _str(d, "kind"),
+            "source": _str(d, "source"),
+            "version": _count(d, "version"),
+            "at": _time(d, "at"),
+            "software": _str(d, "software", max_len=32),
+        }
+        lost = d.get("lost_from")
+        if not isinstance(lost, int) or isinstance(lost, bool) or not -1 <= lost <= _MAX_COUNT:
+            raise RecordError(f"field 'lost_from'={lost!r:.40} must be an integer >= -1")
+        out["lost_from"] = lost
+        if out["stage"] >= MAX_STAGES:
+            raise RecordError(f"field 'stage'={out['stage']} is not below {MAX_STAGES}")
+        if out["kind"] not in EVENT_KINDS:
+            raise RecordError(f"field 'kind'={out['kind']!r:.40} is not one of {EVENT_KINDS}")
+        if out["source"] not in EVENT_SOURCES:
+            raise RecordError(f"field 'source'={out['source']!r:.40} is not one of {EVENT_SOURCES}")
+        return out
+
+    @classmethod
+    def from_wire(
+        cls, value: object, *, subkey: object, run_id: str, spec_hash: str | None = None
+    ) -> StageEvent:
+        """Validate an event from ``events_key(run_id)``; its subkey is ``labelled_subkey(event_id, marker)``."""
+        fields = cls._validate(value)
+        if fields["run_id"] != run_id:
+            raise RecordError(f"event of run {fields['run_id']!r} found under run {run_id!r}")
+        if spec_hash is not None and fields["spec_hash"] != spec_hash:
+            raise RecordError(f"event has spec hash {fields['spec_hash']}, this run's is {spec_hash}")
+        owner = peer_id_of_subkey(subkey)
+        if owner != fields["peer_id"]:
+            raise RecordError(f"event claims peer {fields['peer_id']} but is signed by {owner}: forged")
+        event = cls(**fields)
+        if subkey_label(subkey) != event.event_id:  # type: ignore[arg-type]
+            raise RecordError(f"event {event.event_id} is filed under another subkey")
+        return event
+
+
 def spec_hash_of(canonical: bytes) -> str:
     """16 hex chars of sha256: the same rule as ``RunSpec.spec_hash`` (over ``canonical_bytes()``)."""
     return hashlib.sha256(canonical).hexdigest()[:16]
@@ -564,6 +783,24 @@ class ProgressSchema(_Value):
     tokens_per_s: pydantic.confloat(strict=True, ge=0.0)
 
 
+class SnapshotIndexSchema(_Value):
+    keeper_id: pydantic.StrictStr
+    run_id: pydantic.StrictStr
+    versions: list[pydantic.StrictInt]
+    taken_at: list[pydantic.StrictFloat]
+    seen: list[pydantic.StrictInt]
+
+
+class StageEventSchema(_Value):
+    peer_id: pydantic.StrictStr
+    run_id: pydantic.StrictStr
+    stage: pydantic.conint(strict=True, ge=0, lt=MAX_STAGES)
+    kind: pydantic.StrictStr
+    version: pydantic.conint(strict=True, ge=0)
+    lost_from: pydantic.conint(strict=True, ge=-1)
+    at: pydantic.StrictFloat
+
+
 class SpecSchema(_Value):
     run_id: pydantic.StrictStr
     spec_hash: pydantic.StrictStr
@@ -608,5 +845,7 @@ RunKeysSchema = pydantic.create_model(
     __config__=_KeysConfig,
     spec=(dict[_OwnerBytes, SpecSchema] | None, None),
     progress=(dict[_OwnerBytes, ProgressSchema] | None, None),
+    snapshots=(dict[_OwnerBytes, SnapshotIndexSchema] | None, None),
+    events=(dict[_OwnerBytes, StageEventSchema] | None, None),
     **{f"stage_{i}": (dict[_OwnerBytes, PeerRecordSchema] | None, None) for i in range(MAX_STAGES)},
 )

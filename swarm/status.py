@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import ConfigError
-from swarm.records import ACTIVE_STATES, PeerRecord, RunEntry
+from swarm.records import ACTIVE_STATES, PeerRecord, RunEntry, SnapshotIndex, StageEvent
 
 if TYPE_CHECKING:
     from swarm.membership import Membership
@@ -69,6 +69,8 @@ class RunStatus:
     spec_found: bool = True
     rejected: int = 0  # invalid records the reader dropped
     notes: tuple[str, ...] = field(default=())
+    events: tuple[StageEvent, ...] = ()  # stage rollbacks / fresh starts of the last hour, oldest first
+    keepers: tuple[SnapshotIndex, ...] = ()  # snapshot indexes of the run's keepers (swarm/keeper.py)
 
     @property
     def uncovered(self) -> list[int]:
@@ -112,6 +114,30 @@ class RunStatus:
             "registry": [_entry_json(e) for e in self.entries],
             "rejected_records": self.rejected,
             "notes": list(self.notes),
+            "events": [
+                {
+                    "kind": e.kind,
+                    "stage": e.stage,
+                    "source": e.source,
+                    "version": e.version,
+                    "lost_from": e.lost_from,
+                    "lost_versions": e.lost_versions,
+                    "peer_id": e.peer_id,
+                    "at": e.at,
+                    "text": e.describe(),
+                }
+                for e in self.events
+            ],
+            "keepers": [
+                {
+                    "keeper_id": k.keeper_id,
+                    "versions": list(k.versions),
+                    "taken_at": list(k.taken_at),
+                    "seen": list(k.seen),
+                    "interval_s": k.interval_s,
+                }
+                for k in self.keepers
+            ],
         }
 
 
@@ -187,15 +213,19 @@ def gather_run_status(
     stages = tuple(
         StageStatus(stage=s, layers=layers[s], peers=tuple(records[s].values())) for s in range(num_stages)
     )
+    progress = membership.progress()
+    events, keepers = tuple(membership.events()), tuple(membership.snapshot_indexes())
     return RunStatus(
         run_id=run_id,
         spec_hash=membership.spec_hash,
         stages=stages,
-        progress=membership.progress(),
+        progress=progress,
         entries=entries,
         spec_found=spec_found,
         rejected=membership.rejected,
         notes=tuple(notes),
+        events=events,
+        keepers=keepers,
     )
 
 
@@ -260,6 +290,11 @@ def render_run_status(status: RunStatus) -> str:
             f"stages without peers: {', '.join(map(str, status.uncovered))}; trainers wait until a peer "
             "serves them (start one with `swarm peer --initial-peers ... --run " + status.run_id + "`)"
         )
+    for k in status.keepers:
+        held = " ".join(f"{s}:v{v}" if v >= 0 else f"{s}:-" for s, v in enumerate(k.versions))
+        lines.append(f"keeper {_short(k.keeper_id)}: snapshots {held} (every {k.interval_s:.0f} s)")
+    for e in status.events:
+        lines.append(f"event: {e.describe()}")
     if status.rejected:
         lines.append(f"note: {status.rejected} invalid records were ignored")
     lines.extend(f"note: {n}" for n in status.notes)

@@ -10,6 +10,9 @@ A private run's join secret is printed once (with the join commands) and kept in
 (mode 0600; an existing file is reused, so a restarted owner keeps the same run). Joiners pass a copy
 with ``--secret-file`` or the SWARMPIPE_SECRET environment variable; see SECURITY.md.
 
+With a run spec it also keeps recent snapshots of every stage (``swarm keeper``'s job, see
+``swarm/keeper.py``) in ``--keeper-dir`` (default ``snapshots/RUN_ID``), unless ``--no-keeper``.
+
 It runs until Ctrl-C or SIGTERM, printing a status line every ``--status-interval-s`` seconds and
 re-publishing the run before its DHT records expire; it shuts the DHT down on the way out.
 """
@@ -80,6 +83,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="seconds between status lines (default 10)",
     )
+    from swarm.commands.keeper import add_keeper_options
+
+    add_keeper_options(p, default_dir=None)
+    p.add_argument(
+        "--no-keeper",
+        action="store_true",
+        help="keep no stage snapshots (a stage that loses every replica can then only come back from a "
+        "peer's --checkpoint-dir)",
+    )
     p.set_defaults(func=run)
 
 
@@ -88,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         "HIVEMIND_LOGLEVEL", "WARNING"
     )  # before hivemind is imported: keep the output readable
     from swarm.bootstrap import Bootstrap, BootstrapConfig
+    from swarm.commands.keeper import keeper_config
     from swarm.network import DHTConfig, reachability_warning
     from swarm.spec import RunSpec
 
@@ -110,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         status_interval_s=args.status_interval_s,
         secret=secret,
         secret_file=args.secret_file,
+        keeper=None if spec is None or args.no_keeper else keeper_config(args, spec.run_id),
     )
 
     stop = threading.Event()
@@ -133,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"private run: the join secret was {state} {args.secret_file} (mode 0600).")
             print(
                 f"  it is printed only now; give it to joiners privately: {SECRET_ENV}={format_secret(secret)}"
+            )
+        if boot.keeper is not None:
+            print(
+                f"keeper: stage snapshots in {os.path.abspath(cfg.keeper.directory)} every "
+                f"{cfg.keeper.interval_s:.0f} s ({cfg.keeper.keep} kept per stage); --no-keeper turns it off"
             )
         print("join with:")
         for command in boot.join_commands():

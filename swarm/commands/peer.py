@@ -71,6 +71,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--request-timeout", type=float, default=30.0, metavar="S", help="timeout of one call to the next hop"
     )
+    p.add_argument(
+        "--start-fresh",
+        action="store_true",
+        help="if the stage's state is lost (no live replica, keeper snapshot or checkpoint) in a run that has "
+        "trained, start it from its initial weights anyway instead of refusing (the event is reported)",
+    )
     add_secret_file(p)
     p.set_defaults(func=run)
 
@@ -100,5 +106,6 @@ def run(args: argparse.Namespace) -> int:
         rebalance=False if args.no_rebalance else None,
         request_timeout_s=args.request_timeout,
         secret=load_secret(args.secret_file),
+        start_fresh=args.start_fresh,
     )
     return run_peer(config)
