@@ -112,6 +112,7 @@ class StagePeer:
         self._rounds: ReplicaRounds | None = None
         self._round_counters: dict[str, int] = dict.fromkeys(ReplicaRounds.COUNTERS, 0)  # of stages left
         self._switch_lock = asyncio.Lock()
+        self._move_refused: set[int] = set()  # stages a move to was refused (no state there; said once)
         self._codecs: tuple[Any, Any] | None = None
 
     # ------------------------------------------------------------------------------ properties
@@ -314,10 +315,18 @@ class StagePeer:
         records = await asyncio.to_thread(self._membership.stage_records, stage)
         others = [r for pid, r in records.items() if pid != self.peer_id and r.state == "online"]
         loaded = None
-        attempts = 3 if others else 1
+        snapshot = None  # a keeper's snapshot (swarm/keeper.py): the fallback when no live replica answers
+        # a dead replica's donor declaration outlives it by up to 10 s and may hold up an attempt: retry
+        # when someone (a live replica or a keeper) should be able to send the state
+        attempts = 3 if others or await self._keeper_holds(stage) else 1
         for attempt in range(attempts):
             loaded = await asyncio.to_thread(self._averager.load_state, self.config.state_timeout_s)
-            if loaded is not None:
+            if loaded is not None and isinstance(loaded[0].get("snapshot"), dict):
+                # donors are tried by priority and a keeper's is below every live peer's: none answered
+                snapshot, loaded = loaded, None
+                if await self._live_replicas(stage) <= 1:
+                    break  # no other replica is alive: retrying would only reach the keeper again
+            elif loaded is not None:
                 try:
                     compute.import_state(*loaded)
                     self.loaded_from = "peer"
@@ -328,19 +337,7 @@ class StagePeer:
             if attempt + 1 < attempts:
                 await asyncio.sleep(1.0)
         if loaded is None:
-            if others:
-                logger.warning(
-                    "stage %d has %d online peer(s) but no state could be downloaded from them; "
-                    "starting from %s",
-                    stage,
-                    len(others),
-                    "the checkpoint" if resume else "the spec's seed",
-                )
-            if resume is not None and resume.stage == stage:
-                compute.import_state(resume.meta | {"version": resume.version}, resume.tensors)
-                self.loaded_from = "checkpoint"
-            else:
-                self.loaded_from = "seed"
+            await self._restore_stage(compute, resume, snapshot, others=len(others))
         self._averager.share_state(True, priority=compute.version)
         compute.set_replicas(await self._live_replicas(stage))
         self._rounds = ReplicaRounds(
@@ -356,6 +353,100 @@ class StagePeer:
         )
         self._rounds.start()
         self._notify_queue()
+
+    async def _keeper_holds(self, stage: int) -> bool:
+        """Whether a keeper's index in the DHT lists a snapshot of ``stage``."""
+        try:
+            indexes = await asyncio.to_thread(self._membership.snapshot_indexes)
+        except (SwarmError, OSError):
+            return False
+        return any(stage < len(i.versions) and i.versions[stage] >= 0 for i in indexes)
+
+    async def _restore_stage(
+        self, compute: StageCompute, resume: Checkpoint | None, snapshot: Any, *, others: int
+    ) -> None:
+        """No live replica sent the stage's state: take the newest of a keeper's snapshot and this peer's
+        checkpoint; with neither, start from the spec's seed only if the run has not trained (or with
+        ``start_fresh``), else raise ``StageStateLost``. In a trained run the event is published for
+        trainers and monitors (``StageEvent``). See swarm/snapshots.py and swarm/keeper.py."""
+        from swarm.snapshots import (
+            Restorable,
+            StageStateLost,
+            choose_newest,
+            last_seen_version,
+            lost_state_message,
+            training_evidence,
+        )
+
+        stage = compute.stage
+        evidence, seen = None, -1
+        try:
+            records = await asyncio.to_thread(self._membership.all_stage_records)
+            progress = await asyncio.to_thread(self._membership.progress)
+            indexes = await asyncio.to_thread(self._membership.snapshot_indexes)
+            mine = {pid: r for pid, r in records[stage].items() if pid != self.peer_id}
+            evidence = training_evidence(records, progress, indexes)
+            seen = last_seen_version(stage, mine, indexes)
+        except (SwarmError, OSError) as e:
+            logger.warning("could not read the run's history from the DHT: %s", e)
+        candidates = []
+        if snapshot is not None:
+            candidates.append(Restorable("keeper", int(snapshot[0].get("version", -1)), snapshot))
+        if resume is not None and resume.stage == stage:
+            candidates.append(Restorable("checkpoint", resume.version, resume))
+        while candidates:
+            best = choose_newest(candidates)
+            assert best is not None
+            try:
+                if best.source == "keeper":
+                    compute.import_state(*best.payload)
+                else:
+                    compute.import_state(best.payload.meta | {"version": best.version}, best.payload.tensors)
+                self.loaded_from = best.source
+                break
+            except RequestError as e:
+                logger.warning("refused the %s state of stage %d: %s", best.source, stage, e)
+                candidates.remove(best)
+        else:
+            if evidence is not None and not self.config.start_fresh:
+                if self._averager is not None:
+                    await asyncio.to_thread(self._averager.shutdown)
+                    self._averager = None
+                raise StageStateLost(lost_state_message(self.spec.run_id, stage, evidence))
+            self.loaded_from = "seed"
+        if others:
+            logger.warning(
+                "stage %d has %d online peer record(s) but none sent its state; started from the %s",
+                stage,
+                others,
+                {"keeper": "keeper's snapshot", "checkpoint": "checkpoint", "seed": "spec's seed"}[
+                    self.loaded_from
+                ],
+            )
+        if evidence is None or await self._live_replicas(stage) > 1:
+            return  # a fresh run, or live replicas exist: the replica rounds bring this peer up to date
+        await self._publish_stage_event(stage, compute.version, seen)
+
+    async def _publish_stage_event(self, stage: int, version: int, seen: int) -> None:
+        """Tell trainers and monitors that the stage was restored (or restarted) and what it lost."""
+        from swarm.records import StageEvent
+
+        event = StageEvent(
+            peer_id=self.peer_id,
+            run_id=self.spec.run_id,
+            spec_hash=self.spec.spec_hash,
+            stage=stage,
+            kind="fresh" if self.loaded_from == "seed" else "rollback",
+            source=self.loaded_from,
+            version=version,
+            lost_from=seen,
+            at=time.time(),
+        )
+        logger.warning("%s", event.describe())
+        try:
+            await asyncio.to_thread(self._membership.publish_event, event)
+        except (SwarmError, OSError) as e:
+            logger.warning("could not publish the stage event: %s", e)
 
     async def _live_replicas(self, stage: int) -> int:
         """Replicas of ``stage``, this peer included, whose records say online and who answer an INFO
@@ -526,9 +617,30 @@ class StagePeer:
 
         records = await asyncio.to_thread(self._membership.all_stage_records)
         target = should_move(records, self.peer_id, margin=self.config.rebalance_margin, rng=self._rng)
-        if target is not None and target != self.stage:
+        if target is not None and target != self.stage and await self._stage_restorable(target, records):
             logger.info("rebalancing: moving from stage %d to stage %d", self.stage, target)
             await self.move_to(target)
+
+    async def _stage_restorable(self, stage: int, records: list) -> bool:
+        """Whether a peer moving to ``stage`` finds state there (a live replica or a keeper's snapshot), or
+        may start it from the seed (the run has not trained, or ``start_fresh``). Says why not, once."""
+        from swarm.snapshots import lost_state_message, training_evidence
+
+        live = [pid for pid, r in records[stage].items() if pid != self.peer_id and r.state == "online"]
+        if live or self.config.start_fresh:
+            return True
+        indexes = await asyncio.to_thread(self._membership.snapshot_indexes)
+        if any(stage < len(i.versions) and i.versions[stage] >= 0 for i in indexes):
+            return True
+        evidence = training_evidence(records, await asyncio.to_thread(self._membership.progress), indexes)
+        if evidence is None:
+            return True
+        if stage not in self._move_refused:
+            self._move_refused.add(stage)
+            logger.warning(
+                "not moving to stage %d: %s", stage, lost_state_message(self.spec.run_id, stage, evidence)
+            )
+        return False
 
     async def move_to(self, stage: int) -> None:
         """Leave the current stage (finishing in-flight work) and serve ``stage`` with its current state."""
@@ -553,7 +665,23 @@ class StagePeer:
             if self._averager is not None:
                 await asyncio.to_thread(self._averager.shutdown)
                 self._averager = None
-            await self._join_stage(stage, None)
+            from swarm.snapshots import StageStateLost
+
+            try:
+                await self._join_stage(stage, None)
+            except StageStateLost as e:  # the pre-check in _maybe_move passed, then the state vanished
+                logger.warning("not moving to stage %d after all, back to stage %d: %s", stage, old.stage, e)
+                meta, tensors = old.export_state()
+                own = Checkpoint(
+                    spec_hash=self.spec.spec_hash,
+                    run_id=self.spec.run_id,
+                    stage=old.stage,
+                    version=meta["version"],
+                    names=meta["names"],
+                    tensors=tensors,
+                    meta=meta,
+                )
+                await self._join_stage(old.stage, own)
             self.state = "online"
             self.counters["moves"] += 1
             await self._announce()

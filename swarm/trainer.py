@@ -467,6 +467,7 @@ class Trainer:
         # counts at every refresh of the stage records (_update_caps)
         self.max_per_peer: list[int | None] = [None] * spec.num_stages
         self.cap_noted = False
+        self.stage_events_seen: set[tuple[str, str]] = set()  # (peer, event id) already printed
         if cfg.tokens is not None:
             target_mbs = math.ceil(cfg.tokens / self.tokens_per_mb)
             self.target_steps = math.ceil(target_mbs / self.accumulate)
@@ -938,8 +939,31 @@ class Trainer:
             await asyncio.sleep(self.config.publish_every_s * random.uniform(0.8, 1.2))
             try:
                 await self._publish()
+                await self._poll_stage_events()
             except PeerFailure as e:
                 self._event("dht_error", detail=str(e)[:200])
+
+    async def _poll_stage_events(self) -> None:
+        """Say each stage event of the run once: a stage that lost every replica and was rolled back to a
+        keeper's snapshot or a checkpoint, or restarted from initial weights (swarm/keeper.py)."""
+        events = await asyncio.to_thread(self.link.membership.events)
+        for ev in events:
+            key = (ev.peer_id, ev.event_id)
+            if key in self.stage_events_seen:
+                continue
+            self.stage_events_seen.add(key)
+            age = time.time() - ev.at
+            when = f" ({age / 60:.0f} min ago)" if age > 120 else ""
+            self.say(f"warning: {ev.describe()}{when}")
+            self._event(
+                "stage_event",
+                kind=ev.kind,
+                stage=ev.stage,
+                source=ev.source,
+                version=ev.version,
+                lost_from=ev.lost_from,
+                peer=ev.peer_id,
+            )
 
     async def _publish(self) -> None:
         await asyncio.to_thread(
