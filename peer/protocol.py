@@ -36,6 +36,17 @@ Any peer that cannot deliver to the next hop sends ``REPORT`` kind ``failed`` na
 peer that failed, and drops its stash entry. ``FORWARD`` and ``BACKWARD`` are acknowledged as soon
 as the request is validated and queued (the ack carries the queue length), so a call never waits
 for the rest of the route.
+
+Probes and cancellations (note "liveness probes" in swarm/liveness.py)
+----------------------------------------------------------------------
+``INFO`` (header ``{}`` or ``{"mb_ids": [...]}``) answers with the peer's run, stage, version, queue
+and state; with ``mb_ids`` it adds ``held`` (those it holds actively: queued, computing, or sending
+to the next hop or the trainer) and ``stashed`` (those waiting in its stash for a backward). A
+trainer probes peers with it; a peer probes a trainer (which serves ``INFO`` too) before it drops
+the trainer's stash entries. ``CANCEL`` (header ``{"run_id", "mb_ids"}``) from a trainer makes a
+peer drop those of its micro-batches (stash entries, queued tasks, sends not yet made): the trainer
+gave up on their attempts, so their backward will never come (in sync mode a stage could not step
+while they waited). Only the trainer named in a micro-batch's forward header can cancel it.
 """
 
 from __future__ import annotations
@@ -65,7 +76,10 @@ __all__ = [
     "FORWARD",
     "BACKWARD",
     "INFO",
+    "CANCEL",
     "REPORT",
+    "MAX_LISTED_IDS",
+    "listed_ids",
     "Message",
     "ForwardHeader",
     "BackwardHeader",
@@ -89,7 +103,9 @@ DEFAULT_MAX_PAYLOAD_BYTES = 256 << 20
 FORWARD = "swarmpipe.stage.forward"
 BACKWARD = "swarmpipe.stage.backward"
 INFO = "swarmpipe.stage.info"
+CANCEL = "swarmpipe.stage.cancel"
 REPORT = "swarmpipe.trainer.report"
+MAX_LISTED_IDS = 1024  # micro-batch ids one INFO or CANCEL request may list
 
 Mode = Literal["train", "eval", "generate"]
 ReportKind = Literal["loss", "done", "failed", "result"]
@@ -622,6 +638,18 @@ async def _first_response(
         ) from None
     finally:
         await stream.aclose()
+
+
+def listed_ids(header: dict[str, Any], what: str) -> list[str]:
+    """The optional ``mb_ids`` list of an ``INFO`` or ``CANCEL`` header (empty when absent)."""
+    ids = header.get("mb_ids", [])
+    if not isinstance(ids, list) or len(ids) > MAX_LISTED_IDS:
+        raise RequestError(f"{what}: 'mb_ids' must be a list of at most {MAX_LISTED_IDS} micro-batch ids")
+    if not all(isinstance(i, str) and 0 < len(i) <= _MAX_ID_CHARS for i in ids):
+        raise RequestError(
+            f"{what}: 'mb_ids' must hold micro-batch id strings of 1..{_MAX_ID_CHARS} characters"
+        )
+    return ids
 
 
 def peer_id_from_str(value: str) -> PeerID:

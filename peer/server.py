@@ -34,7 +34,9 @@ import dataclasses
 import logging
 import random
 import re
+import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from typing import Any
 
@@ -46,6 +48,7 @@ from peer.compute import StageCompute
 from peer.config import PeerConfig, resolve_device
 from peer.protocol import (
     BACKWARD,
+    CANCEL,
     FORWARD,
     INFO,
     REPORT,
@@ -54,13 +57,14 @@ from peer.protocol import (
     Message,
     Report,
     call,
+    listed_ids,
     serve,
     unpack_tokens,
 )
 from peer.replicas import ReplicaRounds, RoundsConfig
 from peer.runtime import ComputeQueue
 from peer.stash import VersionEvicted
-from peer.throughput import measure_throughput
+from peer.throughput import ServedRate, measure_throughput, store_throughput
 from swarm.auth import AuthError, PenaltyBox, RunAuth, SenderLimiter
 from swarm.errors import ConfigError, PeerFailure, RequestError, SwarmError
 
@@ -71,6 +75,10 @@ logger = logging.getLogger(__name__)
 _EXPIRY_PERIOD_S = 1.0
 _AUTHORIZED_PERIOD_S = 1.0
 _PING_TIMEOUT_S = 2.0  # an INFO call that tells a live same-stage replica from a dead one
+# note "trainers that vanish": a trainer whose stash entries wait this long without news is probed
+_TRAINER_QUIET_S = 5.0
+_GONE_TRAINERS = 256  # trainers remembered as gone (their late micro-batches are dropped)
+_CANCELLED = 8192  # cancelled (trainer, mb_id) pairs remembered
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as in swarm/records.py
 
 
@@ -94,6 +102,8 @@ class StagePeer:
             "refused_auth": 0,  # no valid join proof, listed, penalized (part of "refused")
             "penalized": 0,  # senders put in the penalty box for poison gradients
             "dropped_on_leave": 0,  # accumulated micro-batches a replica dropped when leaving its stage
+            "cancelled": 0,  # micro-batches dropped because their trainer cancelled them (CANCEL)
+            "trainer_gone": 0,  # micro-batches dropped because their trainer could not be reached
         }
         self.auth: Any = None  # swarm.auth.RunAuth once the spec is known
         self._penalties = PenaltyBox(config.penalty_s)
@@ -114,6 +124,15 @@ class StagePeer:
         self._switch_lock = asyncio.Lock()
         self._move_refused: set[int] = set()  # stages a move to was refused (no state there; said once)
         self._codecs: tuple[Any, Any] | None = None
+        # note "holding": mb_id -> queued/running tasks and unfinished sends of that micro-batch here
+        self._held: Counter[str] = Counter()
+        self._held_lock = threading.Lock()
+        self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (trainer, mb_id)
+        self._gone: OrderedDict[str, float] = OrderedDict()  # trainer -> when it was found unreachable
+        self._trainer_heard: dict[str, float] = {}  # trainer -> last sign of life (monotonic)
+        self._probing_trainers: set[str] = set()
+        self._rate: ServedRate | None = None  # note "served throughput" (peer/throughput.py)
+        self._fwd_s: OrderedDict[str, float] = OrderedDict()  # mb_id -> its forward task's seconds
 
     # ------------------------------------------------------------------------------ properties
 
@@ -172,6 +191,8 @@ class StagePeer:
                 evicted_refusals=float(c.versions.evicted_refusals),
                 replicas=float(c.replicas),
             )
+        with self._held_lock:
+            out["held"] = float(len(self._held))
         return out
 
     # ------------------------------------------------------------------------------- lifecycle
@@ -225,6 +246,7 @@ class StagePeer:
                 (FORWARD, self._on_forward),
                 (BACKWARD, self._on_backward),
                 (INFO, self._on_info),
+                (CANCEL, self._on_cancel),
             ):
                 await serve(
                     self._p2p,
@@ -295,6 +317,11 @@ class StagePeer:
         """Build the stage, load its state (donor > checkpoint > seed), start its averager."""
         self.state = "joining"
         self.throughput = await self._measure(stage)
+        # note "served throughput" (peer/throughput.py): the measurement only seeds what is announced
+        self._rate = (
+            ServedRate(self.throughput, now=time.monotonic()) if self.config.throughput is None else None
+        )
+        self._fwd_s.clear()
         compute = await asyncio.to_thread(StageCompute, self.spec, stage, device=self.device)
         compute.on_gate_change = self._notify_queue
         self._compute = compute
@@ -536,6 +563,8 @@ class StagePeer:
         if self._sends:
             await asyncio.wait(list(self._sends), timeout=min(5.0, self.config.request_timeout_s))
         await self._stop_rounds()
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self._store_rate)
         if self._compute is not None and self.config.checkpoint_dir is not None:
             try:
                 await asyncio.to_thread(self._save_checkpoint)
@@ -550,7 +579,7 @@ class StagePeer:
             self._averager = None
         if self._p2p is not None:
             with contextlib.suppress(Exception):
-                for name in (FORWARD, BACKWARD, INFO):
+                for name in (FORWARD, BACKWARD, INFO, CANCEL):
                     await self._p2p.remove_protobuf_handler(name)
             # a replicated P2P's shutdown closes its handler socket and removes the socket file
             # (the DHT's daemon stays up until the DHT stops); without it /tmp collects sockets
@@ -603,6 +632,8 @@ class StagePeer:
             await asyncio.sleep(period * self._rng.uniform(0.8, 1.2))
             try:
                 if self.state == "online":
+                    if self._rate is not None:
+                        self.throughput = self._rate.fold(time.monotonic())
                     await self._announce()
                     if self._averager is not None:
                         self._averager.share_state(True, priority=self.compute.version)
@@ -611,6 +642,19 @@ class StagePeer:
                         await self._maybe_move()
             except (SwarmError, OSError) as e:
                 logger.warning("announce/rebalance round failed: %s", e)
+
+    def _store_rate(self) -> None:
+        """Write what this peer served on its stage into the throughput cache (the next start's seed)."""
+        rate, compute = self._rate, self._compute
+        if rate is None or compute is None or rate.samples < 8:
+            return
+        value = rate.fold(time.monotonic())
+        if self.config.slowdown_s > 0:  # the cache holds the machine's speed, without the emulated delay
+            per_token = 1.0 / value - self.config.slowdown_s / self.spec.tokens_per_micro_batch
+            if per_token <= 0:
+                return
+            value = 1.0 / per_token
+        store_throughput(self.spec, compute.stage, self.device, value, cache_dir=self.config.cache_dir)
 
     async def _maybe_move(self) -> None:
         from swarm.placement import should_move
@@ -665,6 +709,7 @@ class StagePeer:
             if self._averager is not None:
                 await asyncio.to_thread(self._averager.shutdown)
                 self._averager = None
+            await asyncio.to_thread(self._store_rate)
             from swarm.snapshots import StageStateLost
 
             try:
@@ -694,6 +739,7 @@ class StagePeer:
             compute = self._compute
             if compute is None:
                 continue
+            await self._check_trainers()
             for entry in compute.expire():
                 self.counters["expired"] += 1
                 header: ForwardHeader = entry.context
@@ -832,7 +878,45 @@ class StagePeer:
             )
         return tensor
 
+    async def _on_cancel(self, message: Message, remote: Any) -> dict[str, Any]:
+        """A trainer gave up on these attempts: drop what this peer holds of them (its own only)."""
+        run_id = message.header.get("run_id")
+        if run_id != self.spec.run_id:
+            raise RequestError(
+                f"cancel for run {str(run_id)[:60]!r} reached a peer of run {self.spec.run_id!r}"
+            )
+        ids = listed_ids(message.header, "cancel request")
+        sender = str(remote)
+        self._trainer_heard[sender] = time.monotonic()
+        for mb_id in ids:
+            self._cancelled[(sender, mb_id)] = None
+        while len(self._cancelled) > _CANCELLED:
+            self._cancelled.popitem(last=False)
+        compute = self._compute
+        if compute is None:
+            return {"dropped": 0}
+        with compute.lock:
+            mine = [
+                i
+                for i in ids
+                if (e := compute.stash.get(i)) is not None and getattr(e.context, "trainer", None) == sender
+            ]
+        dropped = await asyncio.to_thread(lambda: sum(compute.drop(i) is not None for i in mine))
+        self.counters["cancelled"] += dropped
+        return {"dropped": dropped}
+
     async def _on_info(self, message: Message, remote: Any) -> dict[str, Any]:
+        compute = self._compute
+        ids = listed_ids(message.header, "info request")
+        if ids:  # a probe (note "liveness probes", swarm/liveness.py): which of these do we hold?
+            self._trainer_heard[str(remote)] = time.monotonic()
+            with self._held_lock:
+                held = [i for i in ids if self._held.get(i)]
+            stashed = [] if compute is None else [i for i in ids if i in compute.stash]
+            return {**self._info(), "held": held, "stashed": stashed}
+        return self._info()
+
+    def _info(self) -> dict[str, Any]:
         compute = self._compute
         return {
             "run_id": self.spec.run_id,
@@ -883,11 +967,19 @@ class StagePeer:
                 )
             if h.window >= 0 and h.mode == "train":
                 compute.note_window(h.trainer, h.window)  # sync: a newer window closes this replica's share
-            n = self._submit(
-                "forward",
-                str(remote),
-                lambda waited: self._forward_task(compute, h, x, tokens, targets, waited),
-            )
+            if str(remote) == h.trainer:  # the trainer itself sent it: alive, whatever we concluded before
+                self._trainer_heard[h.trainer] = time.monotonic()
+                self._gone.pop(h.trainer, None)
+            self._hold(h.mb_id)
+            try:
+                n = self._submit(
+                    "forward",
+                    str(remote),
+                    lambda waited: self._forward_task(compute, h, x, tokens, targets, waited),
+                )
+            except RequestError:
+                self._unhold(h.mb_id)
+                raise
         except RequestError as e:
             if remote is None:  # called without the network (tests): serve's on_refused did not count it
                 self._count_refusal(e)
@@ -926,9 +1018,14 @@ class StagePeer:
                 self.counters["penalized"] += 1
                 logger.warning("ignoring %s for %.0f s: %s", remote, self.config.penalty_s, e)
                 raise
-            n = self._submit(
-                "backward", str(remote), lambda waited: self._backward_task(compute, h, fwd, grad, waited)
-            )
+            self._hold(h.mb_id)
+            try:
+                n = self._submit(
+                    "backward", str(remote), lambda waited: self._backward_task(compute, h, fwd, grad, waited)
+                )
+            except RequestError:
+                self._unhold(h.mb_id)
+                raise
         except RequestError as e:
             if remote is None:
                 self._count_refusal(e)
@@ -948,13 +1045,26 @@ class StagePeer:
     ) -> None:
         """Worker thread: run one forward; any failure becomes a ``failed`` report, never silence."""
         try:
+            if self._abandoned(h.trainer, h.mb_id):
+                return  # cancelled, or its trainer is gone: nobody waits for it
+            t0 = time.perf_counter()
             self._run_forward(compute, h, x, tokens, targets, waited)
+            if h.mode == "train" and self._rate is not None:
+                spent = time.perf_counter() - t0
+                if compute.is_last:  # the last stage's forward task runs the backward too
+                    self._rate.add(h.batch * h.seq, spent)
+                else:
+                    self._fwd_s[h.mb_id] = spent
+                    while len(self._fwd_s) > 4096:
+                        self._fwd_s.popitem(last=False)
         except (ValueError, RuntimeError) as e:  # RequestError, CodecError; RuntimeError: e.g. CUDA OOM
             compute.drop(h.mb_id)
             if not isinstance(e, RequestError):
                 logger.exception("forward of %s failed on stage %d", h.mb_id, compute.stage)
             reason = str(e) if isinstance(e, RequestError) else f"compute error: {type(e).__name__}: {e}"
             self._report_failed(h, stage=compute.stage, peer=self.peer_id, reason=reason)
+        finally:
+            self._unhold(h.mb_id)
 
     def _run_forward(
         self,
@@ -981,7 +1091,7 @@ class StagePeer:
             stats[f"fwd_bytes_{s}"] = float(len(payload))
             header = dataclasses.replace(h, stage=s + 1, stats=stats, sent_at=time.time())
             # if the hop fails the route broke downstream: its backward never comes, so free the stash entry
-            self._send(self._deliver(FORWARD, nxt, h, header, payload, drop_from=compute))
+            self._send(self._deliver(FORWARD, nxt, h, header, payload, drop_from=compute), hold=h.mb_id)
             return
 
         # the last stage: loss, then backward (train) or the result (eval/generate)
@@ -999,23 +1109,31 @@ class StagePeer:
             )
 
         if h.mode == "train":
-            self._send(self._report(h.trainer, report("loss")))
+            self._send(self._report(h.trainer, report("loss")), hold=h.mb_id)
             self.counters["backwards"] += 1
             self._after_backward(compute, h, res.grad_input, stats)
         elif h.mode == "eval":
-            self._send(self._report(h.trainer, report("result")))
+            self._send(self._report(h.trainer, report("result")), hold=h.mb_id)
         else:
             from compression import get_codec
 
             logits = get_codec("none").encode(res.logits_last.float())  # (B, vocab)
-            self._send(self._report(h.trainer, report("result"), logits))
+            self._send(self._report(h.trainer, report("result"), logits), hold=h.mb_id)
 
     def _backward_task(
         self, compute: StageCompute, h: BackwardHeader, fwd: ForwardHeader, grad: torch.Tensor, waited: float
     ) -> None:
         """Worker thread: run one backward; any failure becomes a ``failed`` report, never silence."""
         try:
+            if self._abandoned(fwd.trainer, h.mb_id):
+                compute.drop(h.mb_id)
+                return
+            t0 = time.perf_counter()
             self._run_backward(compute, h, fwd, grad, waited)
+            if self._rate is not None:
+                fwd_s = self._fwd_s.pop(h.mb_id, None)
+                if fwd_s is not None:
+                    self._rate.add(fwd.batch * fwd.seq, fwd_s + time.perf_counter() - t0)
         except (ValueError, RuntimeError) as e:  # VersionEvicted, RequestError, CodecError, CUDA OOM
             if isinstance(e, VersionEvicted):
                 self.counters["version_evicted"] += 1
@@ -1025,6 +1143,8 @@ class StagePeer:
             self._report_failed(
                 fwd, stage=compute.stage, peer=self.peer_id, reason=reason, counted_from=compute.stage + 1
             )
+        finally:
+            self._unhold(h.mb_id)
 
     def _run_backward(
         self, compute: StageCompute, h: BackwardHeader, fwd: ForwardHeader, grad: torch.Tensor, waited: float
@@ -1060,7 +1180,8 @@ class StagePeer:
                         version=compute.version,
                         stats=stats,
                     ),
-                )
+                ),
+                hold=fwd.mb_id,
             )
             return
         prev = fwd.route[s - 1]
@@ -1069,19 +1190,27 @@ class StagePeer:
         header = BackwardHeader(
             run_id=fwd.run_id, spec_hash=fwd.spec_hash, mb_id=fwd.mb_id, stage=s - 1, stats=stats
         )
-        self._send(self._deliver(BACKWARD, fwd.route[header.stage], fwd, header, payload, drop_from=None))
+        self._send(
+            self._deliver(BACKWARD, fwd.route[header.stage], fwd, header, payload, drop_from=None),
+            hold=fwd.mb_id,
+        )
 
     # ---------------------------------------------------------------------- network (loop side)
 
-    def _send(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Hand a coroutine from any thread to the event loop; it is tracked until done."""
+    def _send(self, coro: Coroutine[Any, Any, Any], *, hold: str | None = None) -> None:
+        """Hand a coroutine from any thread to the event loop; it is tracked until done. ``hold``: the
+        micro-batch it carries counts as held here until it is done (note "holding")."""
         loop = self._loop
         assert loop is not None
+        if hold is not None:
+            self._hold(hold)
 
         def _schedule() -> None:
             fut = asyncio.ensure_future(coro)
             self._sends.add(fut)
             fut.add_done_callback(self._sends.discard)
+            if hold is not None:
+                fut.add_done_callback(lambda _: self._unhold(hold))
 
         if _running_loop() is loop:
             _schedule()
@@ -1090,6 +1219,88 @@ class StagePeer:
                 loop.call_soon_threadsafe(_schedule)
             except RuntimeError:  # the loop is closed: we are shutting down
                 coro.close()
+                if hold is not None:
+                    self._unhold(hold)
+
+    # Holding (note "holding"): a micro-batch is *held* here from the moment its FORWARD or BACKWARD
+    # is queued until the last message this peer sends about it (next hop acknowledged, report
+    # delivered) is done. Answers to a trainer's INFO probe list the held ids (peer/protocol.py).
+
+    def _hold(self, mb_id: str) -> None:
+        with self._held_lock:
+            self._held[mb_id] += 1
+
+    def _unhold(self, mb_id: str) -> None:
+        with self._held_lock:
+            left = self._held[mb_id] - 1
+            if left > 0:
+                self._held[mb_id] = left
+            else:
+                self._held.pop(mb_id, None)
+
+    # Trainers that vanish (note "trainers that vanish"): a trainer that cancels micro-batches, or
+    # cannot be reached by a report or by the INFO probe of a peer whose stash holds its
+    # micro-batches (probed after _TRAINER_QUIET_S without news), gets them dropped here at once:
+    # stash entries, queued tasks, sends not yet made. Nothing waits for the stash TTL.
+
+    def _abandoned(self, trainer: str, mb_id: str) -> bool:
+        return trainer in self._gone or (trainer, mb_id) in self._cancelled
+
+    def _trainer_unreachable(self, trainer: str) -> None:
+        if trainer in self._gone:
+            return
+        self._gone[trainer] = time.monotonic()
+        while len(self._gone) > _GONE_TRAINERS:
+            self._gone.popitem(last=False)
+        self._trainer_heard.pop(trainer, None)
+        logger.info("trainer %s cannot be reached; dropping its micro-batches", trainer)
+        self._spawn(self._drop_trainer(trainer))
+
+    async def _drop_trainer(self, trainer: str) -> None:
+        compute = self._compute
+        if compute is None:
+            return
+        with compute.lock:
+            ids = [e.mb_id for e in compute.stash if getattr(e.context, "trainer", None) == trainer]
+        dropped = await asyncio.to_thread(lambda: sum(compute.drop(i) is not None for i in ids))
+        self.counters["trainer_gone"] += dropped
+
+    async def _check_trainers(self) -> None:
+        """Probe the trainers whose stash entries here have waited ``_TRAINER_QUIET_S`` without news."""
+        compute = self._compute
+        if compute is None or self._p2p is None:
+            return
+        now = time.monotonic()
+        for trainer in list(self._trainer_heard):  # bounded: forget trainers quiet for a minute
+            if now - self._trainer_heard[trainer] > 60.0:
+                del self._trainer_heard[trainer]
+        with compute.lock:
+            entries = list(compute.stash)
+        stash_now = compute.stash.clock()
+        quiet = {
+            e.context.trainer
+            for e in entries
+            if isinstance(e.context, ForwardHeader)
+            and stash_now - e.created_at >= _TRAINER_QUIET_S
+            and now - self._trainer_heard.get(e.context.trainer, -1e18) >= _TRAINER_QUIET_S
+        }
+        for trainer in sorted(quiet - self._probing_trainers - set(self._gone)):
+            self._probing_trainers.add(trainer)
+            self._spawn(self._probe_trainer(trainer))
+
+    async def _probe_trainer(self, trainer: str) -> None:
+        try:
+            await call(self._p2p, trainer, INFO, Message({}), timeout_s=_PING_TIMEOUT_S, auth=self.auth)
+            self._trainer_heard[trainer] = time.monotonic()
+        except RequestError:  # it answered (with a refusal): alive
+            self._trainer_heard[trainer] = time.monotonic()
+        except PeerFailure as e:
+            if e.reason == "unreachable" and not _no_handler(str(e)):
+                self._trainer_unreachable(trainer)
+            elif e.reason == "unreachable":  # an older trainer without INFO: alive
+                self._trainer_heard[trainer] = time.monotonic()
+        finally:
+            self._probing_trainers.discard(trainer)
 
     async def _deliver(
         self,
@@ -1103,6 +1314,10 @@ class StagePeer:
     ) -> None:
         """Send one hop of ``origin``'s micro-batch; on failure count it, drop its stash entry from
         ``drop_from`` (if given) and report it to the trainer, naming the hop's stage and peer."""
+        if self._abandoned(origin.trainer, origin.mb_id):
+            if drop_from is not None:
+                drop_from.drop(origin.mb_id)
+            return
         try:
             await call(
                 self._p2p,
@@ -1141,8 +1356,10 @@ class StagePeer:
     def _report_failed(
         self, h: ForwardHeader, *, stage: int, peer: str, reason: str, counted_from: int = -1
     ) -> None:
+        if self._abandoned(h.trainer, h.mb_id):
+            return  # nobody waits for it
         report = self._failed(h, stage=stage, peer=peer, reason=reason, counted_from=counted_from)
-        self._send(self._report(h.trainer, report))
+        self._send(self._report(h.trainer, report), hold=h.mb_id)
 
     async def _report(self, trainer: str, report: Report, payload: bytes = b"") -> None:
         if self._p2p is None:
@@ -1160,6 +1377,10 @@ class StagePeer:
             logger.info(
                 "report %s of %s to trainer %s was not delivered: %s", report.kind, report.mb_id, trainer, e
             )
+            if isinstance(e, PeerFailure) and e.reason == "unreachable" and not _no_handler(str(e)):
+                self._trainer_unreachable(trainer)  # note "trainers that vanish"
+            return
+        self._trainer_heard[trainer] = time.monotonic()
 
 
 class PoisonError(RequestError):
@@ -1171,6 +1392,12 @@ def _decodable_codecs() -> tuple[str, ...]:
     from compression import available_codecs
 
     return tuple(name for name, _, _ in available_codecs())[:16]
+
+
+def _no_handler(text: str) -> bool:
+    """A call failed because the remote serves no such protocol (it is alive, just older)."""
+    text = text.lower()
+    return "protocol not supported" in text or "protocols not supported" in text
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -6,12 +6,26 @@ shape, forward and backward, under the same autocast. It is a short benchmark (a
 warm-up, then timed passes for about half of ``budget_s``; under 2 s on CPU by default) and is cached per (device name, spec hash,
 stage) in ``~/.cache/swarmpipe/throughput.json``, so restarts are instant. Delete that file to
 re-measure (e.g. after changing hardware drivers).
+
+Served throughput (note "served throughput")
+--------------------------------------------
+The benchmark only *seeds* the announced figure: a peer measured while its machine was busy (or
+idle) would otherwise announce a wrong number for as long as it runs, and placement and routing
+weigh peers by it. :class:`ServedRate` keeps an exponential moving average of what the peer
+actually serves: for every training micro-batch, its tokens over the seconds the compute worker
+spent on its forward and backward tasks (model, codecs, any emulated slowdown; the time it sat in
+the queue does not count). The peer folds the micro-batches of each announce period into the
+average with weight ``1 - exp(-dt / tau_s)`` (``tau_s`` = 15 s: a seed 4x off is within 5 % of
+reality after a minute of traffic) and announces the result; on shutdown it writes the average
+back into the cache (:func:`store_throughput`), so the next start is seeded with what was served.
+A declared ``--throughput`` is announced as is.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -22,7 +36,7 @@ import torch
 from swarm.model import autocast_dtype, build_stage, lm_loss
 from swarm.spec import RunSpec
 
-__all__ = ["measure_throughput", "default_cache_dir", "device_name"]
+__all__ = ["measure_throughput", "store_throughput", "default_cache_dir", "device_name", "ServedRate"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +104,41 @@ def measure_throughput(
     device = torch.device(device)
     key = f"{device_name(device)}|{spec.spec_hash}|{stage}"
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cache_file = path / "throughput.json"
-    cache: dict[str, float] = {}
+    cache = _read_cache(path / "throughput.json")
+    if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
+        return float(cache[key])
+    value = _bench(spec, stage, device, budget_s)
+    _write_cache(path, key, value)
+    return value
+
+
+def store_throughput(
+    spec: RunSpec,
+    stage: int,
+    device: torch.device | str,
+    value: float,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> None:
+    """Replace the cached figure of ``stage`` on ``device`` by ``value`` (what the peer served)."""
+    if not (math.isfinite(value) and value > 0):
+        return
+    device = torch.device(device)
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    _write_cache(path, f"{device_name(device)}|{spec.spec_hash}|{stage}", value)
+
+
+def _read_cache(cache_file: Path) -> dict[str, float]:
     try:
         cache = json.loads(cache_file.read_text())
-        if isinstance(cache, dict) and isinstance(cache.get(key), (int, float)) and cache[key] > 0:
-            return float(cache[key])
     except (OSError, ValueError):
-        cache = {}
-    if not isinstance(cache, dict):
-        cache = {}
-    value = _bench(spec, stage, device, budget_s)
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache(path: Path, key: str, value: float) -> None:
+    cache_file = path / "throughput.json"
+    cache = _read_cache(cache_file)
     cache[key] = value
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -110,4 +148,47 @@ def measure_throughput(
         os.replace(tmp, cache_file)
     except OSError as e:  # a read-only home must not stop a peer
         logger.warning("could not cache the throughput measurement in %s: %s", cache_file, e)
-    return value
+
+
+class ServedRate:
+    """EMA of the tokens/s of forward+backward a peer serves (note "served throughput"). Pure.
+
+    ``add(tokens, seconds)`` takes one training micro-batch (its forward and backward compute
+    seconds together); ``fold(now)`` folds what was added since the last fold into the average and
+    returns the current figure. Windows with less than ``min_busy_s`` of work wait for more.
+    """
+
+    def __init__(self, seed: float, *, now: float, tau_s: float = 15.0, min_busy_s: float = 0.2):
+        if not (math.isfinite(seed) and seed > 0):
+            raise ValueError(f"seed throughput must be a positive number of tokens/s, got {seed!r}")
+        if not (math.isfinite(tau_s) and tau_s > 0):
+            raise ValueError(f"tau_s must be a positive number of seconds, got {tau_s!r}")
+        self.value = float(seed)
+        self.tau_s = tau_s
+        self.min_busy_s = min_busy_s
+        self.samples = 0  # micro-batches folded in so far
+        self._tokens = 0
+        self._seconds = 0.0
+        self._count = 0
+        self._last = now
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and math.isfinite(seconds) and seconds > 0:
+            self._tokens += tokens
+            self._seconds += seconds
+            self._count += 1
+
+    def fold(self, now: float) -> float:
+        if self._tokens <= 0:
+            self._last = now  # an idle window: the next samples weigh by the window they fill
+            return self.value
+        if self._seconds < self.min_busy_s:
+            return self.value  # too little work to trust: keep collecting
+        dt = min(max(now - self._last, 0.0), 4 * self.tau_s)
+        weight = 1.0 - math.exp(-dt / self.tau_s)
+        sample = self._tokens / self._seconds
+        self.value = (1.0 - weight) * self.value + weight * sample
+        self.samples += self._count
+        self._tokens, self._seconds, self._count = 0, 0.0, 0
+        self._last = now
+        return self.value

@@ -16,7 +16,7 @@ One micro-batch (see peer/protocol.py for the wire side)
    activations along the route and gradients back by themselves.
 3. Peers send ``REPORT`` s to this trainer: ``loss`` from the last stage, ``done`` from stage 0 once
    the gradients reached every stage (``result`` in eval/generate mode), or ``failed`` naming the
-   hop that broke. A deadline (scaled by size and observed speed) covers silent losses.
+   hop that broke. Silence is never waited out (note "failure detection", below).
 4. A broken route closes the attempt; the micro-batch is re-sent on a new route (new ``mb_id``,
    only token ids travel again) up to ``max_attempts`` times, then counted as dropped. The ledger
    (swarm/accounting.py) keeps ``opened == completed + dropped + in flight + pending``.
@@ -30,6 +30,20 @@ unreachable closes every other attempt routed through it at once (they could onl
 stage-0 peer that never acknowledged a micro-batch before its deadline is the one blamed for it.
 Per-peer in-flight counts are capped (note "staleness cap" in swarm/routing.py) so that peers keep
 the weight version a micro-batch's backward needs.
+
+Failure detection (note "failure detection"; the pure logic is swarm/liveness.py)
+--------------------------------------------------------------------------------
+A peer that dies takes the micro-batches it held with it, and nobody reports that. So: every report,
+acknowledgement and probe answer counts as having heard from its peer; a peer that holds micro-batches
+of ours and was silent for ``liveness.silence_s`` (1 s), or whose record left its stage or says
+``leaving`` at a refresh, is probed with ``INFO``; a refused connection (or repeated probe timeouts)
+closes every attempt through it at once, and the peer is kept out of routes for
+``liveness.dead_hold_s`` (its record outlives it by up to its TTL). Past an attempt's adaptive check
+time (the retransmit timeout of completed micro-batches' round trips), the route's peers are asked
+whether they still hold it; if none does in two rounds, it is re-sent. The hard deadline (note
+"deadline" in swarm/routing.py) only remains for peers that answer but never finish. Every attempt the
+trainer closes is cancelled at the peers of its route (``CANCEL``), so none of them keeps its stash
+entry until the TTL (in sync mode a stage cannot step while one waits).
 
 Counted stages (note "counted stages")
 --------------------------------------
@@ -76,6 +90,7 @@ from typing import IO, TYPE_CHECKING, Any
 from swarm.accounting import Attempt, Ledger, MicroBatch
 from swarm.data import DataConfig, TokenData, build_data
 from swarm.errors import ConfigError, PeerFailure, RequestError, StageUnavailableError
+from swarm.liveness import HoldCheck, Liveness, LivenessConfig, RttEstimator, hold_verdict, next_check
 from swarm.logging_sinks import make_sinks
 from swarm.metrics import (
     MetricsWriter,
@@ -147,6 +162,8 @@ class TrainerConfig:
     stage_wait_s: float | None = None
     """Give up when a stage has had no peer for this long; None = wait forever (with messages)."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
+    """Failure detection: probes of silent peers, holding checks (note "failure detection")."""
     host_maddrs: tuple[str, ...] = ()
     """Where this trainer listens for reports; empty = loopback only."""
     trainer_id: str | None = None
@@ -215,13 +232,24 @@ class TrainerConfig:
 #   busy                        -> its queue is full: a short pause, no failure counted
 #   version_evicted, stash_expired, refused -> about this micro-batch (staleness, a peer joining or
 #                                  leaving), not the peer's health: no backoff, the retry avoids it
+#   lost                        -> no peer of its route holds it any more (note "failure detection"):
+#                                  names nobody
 _BLAMED = frozenset({"unreachable", "timeout", "error"})
 
 
 def classify_failure(reason: str) -> str:
     """Map a failure text (a ``PeerFailure.reason`` or a peer's ``failed`` report) to a short class."""
     text = reason.lower()
-    if text in ("unreachable", "timeout", "busy", "refused", "version_evicted", "stash_expired", "error"):
+    if text in (
+        "unreachable",
+        "timeout",
+        "busy",
+        "refused",
+        "version_evicted",
+        "stash_expired",
+        "error",
+        "lost",
+    ):
         return text
     if text == "garbage":
         return "error"
@@ -297,6 +325,7 @@ class SwarmLink:
         self.peer_id: str = p2p.peer_id.to_base58()
         self.auth: Any = None  # swarm.auth.RunAuth: signs our requests, checks reports (private runs)
         self.on_report: Callable[[Report, bytes], None] = lambda report, payload: None
+        self.on_heard: Callable[[str], None] = lambda peer: None  # any message from a peer (liveness)
         self.handler_error: Exception | None = None  # first exception raised by on_report (a bug)
 
     @classmethod
@@ -309,7 +338,7 @@ class SwarmLink:
         spec_timeout_s: float = 60.0,
         secret: bytes | None = None,
     ) -> SwarmLink:
-        from peer.protocol import REPORT, serve
+        from peer.protocol import INFO, REPORT, serve
         from swarm.auth import RunAuth
         from swarm.membership import Membership
         from swarm.network import DHTConfig, start_dht
@@ -325,6 +354,8 @@ class SwarmLink:
             link = cls(dht, membership, spec, p2p)
             link.auth = auth
             await serve(p2p, REPORT, link._handle_report, gate=auth.gate(link.peer_id))
+            # peers probe a trainer before dropping its stash entries (note "trainers that vanish")
+            await serve(p2p, INFO, link._handle_info, gate=auth.gate(link.peer_id))
             return link
         except BaseException:
             dht.shutdown()
@@ -340,6 +371,7 @@ class SwarmLink:
                 "the peer routes to the wrong trainer"
             )
         try:
+            self.on_heard(str(remote))
             self.on_report(report, message.payload)
         except Exception as e:  # a bug of ours: keep it for the owner instead of losing it in the daemon
             logger.exception("handling report %s of %s failed", report.kind, report.mb_id)
@@ -347,6 +379,32 @@ class SwarmLink:
                 self.handler_error = e
             raise
         return {}
+
+    async def _handle_info(self, message: Message, remote: Any) -> dict[str, Any]:
+        return {"role": "trainer", "run_id": self.spec.run_id, "peer_id": self.peer_id}
+
+    async def probe(self, peer: str, mb_ids: list[str], *, timeout_s: float) -> dict[str, Any]:
+        """``INFO`` to ``peer`` listing ``mb_ids``; the reply's ``held`` names those it holds actively
+        (note "liveness probes"). Raises like ``peer.protocol.call``."""
+        from peer.protocol import INFO, Message, call
+
+        return await call(
+            self.p2p, peer, INFO, Message({"mb_ids": list(mb_ids)}), timeout_s=timeout_s, auth=self.auth
+        )
+
+    async def cancel(self, peer: str, mb_ids: list[str], *, timeout_s: float = 5.0) -> None:
+        """Best effort: ask ``peer`` to drop what it holds of these closed attempts (``CANCEL``)."""
+        from peer.protocol import CANCEL, Message, call
+
+        with contextlib.suppress(PeerFailure, RequestError):
+            await call(
+                self.p2p,
+                peer,
+                CANCEL,
+                Message({"run_id": self.spec.run_id, "mb_ids": list(mb_ids)}),
+                timeout_s=timeout_s,
+                auth=self.auth,
+            )
 
     async def stage_records(self) -> list[dict[str, PeerRecord]]:
         """Current records of every stage (index = stage), only those of this spec."""
@@ -390,10 +448,12 @@ class SwarmLink:
         )
 
     async def close(self) -> None:
-        from peer.protocol import REPORT
+        from peer.protocol import INFO, REPORT
 
         with contextlib.suppress(Exception):  # best effort: the daemon may already be gone
             await self.p2p.remove_protobuf_handler(REPORT)
+        with contextlib.suppress(Exception):
+            await self.p2p.remove_protobuf_handler(INFO)
         with contextlib.suppress(Exception):
             await self.p2p.shutdown()
         await asyncio.to_thread(self.dht.shutdown)
@@ -476,6 +536,13 @@ class Trainer:
         self.target_mbs = self.target_steps * self.accumulate
         self.ledger = Ledger(tag=f"{self.trainer_id}.{secrets.token_hex(3)}", max_attempts=cfg.max_attempts)
         self.router = Router(cfg.routing, clock=self._clock, rng=random.Random(cfg.seed))
+        live = cfg.liveness
+        self.liveness = Liveness(live)  # note "failure detection"
+        self.rtt = RttEstimator(initial_s=live.initial_rto_s, min_s=live.min_rto_s, max_s=live.max_rto_s)
+        self.checks: dict[str, HoldCheck] = {}  # mb_id of an acknowledged attempt -> its holding check
+        self.dead: dict[str, float] = {}  # peer found dead -> when (kept out of routes for dead_hold_s)
+        self.cancels: dict[str, list[str]] = defaultdict(list)  # peer -> closed attempts to cancel there
+        self.detected: list[dict[str, Any]] = []  # peers found dead: when and how (benchmarks read it)
         self.stream = data.stream(spec.micro_batch_size, seed=cfg.seed)
         self.stages: list[dict[str, PeerRecord]] = [{} for _ in range(spec.num_stages)]
         self.tasks = _Tasks()
@@ -498,6 +565,7 @@ class Trainer:
         self.started = self._clock()
         self.first_send: float | None = None
         link.on_report = self._on_report
+        link.on_heard = self._heard
         # wire-byte estimate for deadlines: fp32 activation + gradient per token on each link
         self.wire_bytes = 2 * (spec.num_stages - 1) * self.tokens_per_mb * spec.model.d_model * 4
         self.writer = MetricsWriter(Path(cfg.out_dir) / "metrics.jsonl") if cfg.out_dir else None
@@ -524,12 +592,16 @@ class Trainer:
             self._update_caps()
             self.tasks.spawn(self._refresh_loop())
             self.tasks.spawn(self._publish_loop())
+            if hasattr(link, "probe"):
+                self.tasks.spawn(self._probe_loop())
             await self._main_loop()
             await self._drain()
             if cfg.eval_every:
                 await self._final_eval()
             interrupted = False
         finally:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(self._cancel_inflight(), timeout=3.0)
             left = self.ledger.close_all(reason="shutdown" if not interrupted else "interrupted")
             if left:
                 self.say(f"{left} micro-batches still in flight or waiting were dropped at shutdown")
@@ -563,6 +635,7 @@ class Trainer:
             self._raise_errors()
             now = self._clock()
             self._expire(now)
+            self._flush_cancels()
             self._fill(now, open_new=not self._training_done())
             self._show()
             await self._wait(now)
@@ -585,6 +658,7 @@ class Trainer:
             self._raise_errors()
             now = self._clock()
             self._expire(now)
+            self._flush_cancels()
             self._fill(now, open_new=False)
             self._show()
             await self._wait(now)
@@ -595,6 +669,7 @@ class Trainer:
             self._raise_errors()
             now = self._clock()
             self._expire(now)
+            self._flush_cancels()
             self._fill(now, open_new=False)
             await self._wait(now)
 
@@ -646,7 +721,7 @@ class Trainer:
                 return
             try:
                 route = self.router.route(
-                    self.stages, avoid=frozenset(mb.data["avoid"]), max_per_peer=self.max_per_peer
+                    self._routable(now), avoid=frozenset(mb.data["avoid"]), max_per_peer=self.max_per_peer
                 )
             except NoPeersError as e:
                 if e.reason != "saturated":  # saturated: every peer has enough of ours; wait for completions
@@ -657,6 +732,8 @@ class Trainer:
                 route, self.stages, n_tokens=mb.n_tokens, wire_bytes=self.wire_bytes
             )
             attempt = self.ledger.start_attempt(mb.index, route, now=now, timeout_s=timeout)
+            for pid in route:
+                self.liveness.track(pid, now)
             if self.first_send is None:
                 self.first_send = now
             self.tasks.spawn(self._send(attempt, mb))
@@ -675,6 +752,10 @@ class Trainer:
                 window=mb.data.get("window", -1),
             )
             attempt.acked = True
+            now = self._clock()
+            self.liveness.heard(attempt.route[0], now)
+            if attempt.state == "inflight":  # note "failure detection": the adaptive check time
+                self.checks[attempt.mb_id] = HoldCheck(check_at=attempt.started + self.rtt.rto_s)
         except PeerFailure as e:
             self._fail(
                 attempt, reason=classify_failure(e.reason), stage=0, peer=attempt.route[0], detail=str(e)
@@ -744,6 +825,9 @@ class Trainer:
         self.wake.set()
 
     def _completed(self, attempt: Attempt, mb: MicroBatch) -> None:
+        self.checks.pop(attempt.mb_id, None)
+        if mb.kind == "train":
+            self.rtt.observe(self._clock() - attempt.started)
         for stage, pid in enumerate(attempt.route):
             self.router.on_success(pid, n_tokens=mb.n_tokens, service_s=service_seconds(attempt.stats, stage))
             self.peers_by_stage[stage][pid] += 1
@@ -786,6 +870,10 @@ class Trainer:
         decision = self.ledger.fail(attempt.mb_id, reason=reason, stage=stage, peer=blamed)
         if decision == "stale":
             return
+        self.checks.pop(attempt.mb_id, None)
+        for pid in set(attempt.route):  # the route's other peers drop what they hold of it (CANCEL)
+            if not (pid == blamed and reason == "unreachable") and pid not in self.dead:
+                self.cancels[pid].append(attempt.mb_id)
         for pid in attempt.route:
             if pid == blamed and reason in _BLAMED and not cascade:
                 self.router.on_failure(pid)
@@ -822,6 +910,127 @@ class Trainer:
                         cascade=True,
                     )
         self.wake.set()
+
+    # ---- failure detection (note "failure detection", swarm/liveness.py) --------------------------
+
+    def _heard(self, peer: str) -> None:
+        self.liveness.heard(peer, self._clock())
+
+    def _routable(self, now: float) -> list[dict[str, PeerRecord]]:
+        """The stage records without the peers found dead within ``dead_hold_s``."""
+        hold = self.config.liveness.dead_hold_s
+        for pid in [p for p, t in self.dead.items() if now - t >= hold]:
+            del self.dead[pid]
+        if not self.dead:
+            return self.stages
+        return [{p: r for p, r in recs.items() if p not in self.dead} for recs in self.stages]
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.liveness.probe_every_s)
+            self._probe_tick(self._clock())
+
+    def _probe_tick(self, now: float) -> None:
+        """Start the holding checks that are due and probe the peers that need it."""
+        from peer.protocol import MAX_LISTED_IDS
+
+        holding: dict[str, list[str]] = defaultdict(list)
+        forced: set[str] = set()
+        for a in self.ledger.inflight_attempts():
+            if not a.acked:
+                continue  # the FORWARD call itself is still out (call_timeout_s covers it)
+            for pid in set(a.route):
+                holding[pid].append(a.mb_id)
+            check = self.checks.get(a.mb_id)
+            if check is not None and check.since is None and now >= check.check_at:
+                check.since, check.answers = now, {}
+                forced.update(a.route)
+        for pid in self.liveness.due(holding, now, forced=forced):
+            self.liveness.probe_sent(pid, now)
+            self.tasks.spawn(self._probe(pid, holding.get(pid, [])[:MAX_LISTED_IDS], sent=now))
+        self.liveness.forget(holding)
+
+    async def _probe(self, peer: str, mb_ids: list[str], *, sent: float) -> None:
+        live = self.config.liveness
+        try:
+            reply: dict[str, Any] | None = await self.link.probe(peer, mb_ids, timeout_s=live.probe_timeout_s)
+        except PeerFailure as e:
+            now = self._clock()
+            if e.reason == "timeout":
+                if self.liveness.probe_timed_out(peer, now):
+                    self._peer_dead(peer, "timeout", f"{live.max_misses} probes timed out: {e}", sent)
+            else:
+                self.liveness.probe_failed(peer, now)
+                self._peer_dead(peer, "unreachable", f"probe failed: {e}", sent)
+            return
+        except RequestError:  # it answered (a refusal): alive, holdings unknown
+            reply = None
+        now = self._clock()
+        self.liveness.probe_answered(peer, now)
+        held = reply.get("held") if reply is not None else None
+        known = set(held) if isinstance(held, list) else None  # None: an older peer, counts as holding
+        for mb_id in mb_ids:
+            attempt = self.ledger.attempts.get(mb_id)
+            check = self.checks.get(mb_id)
+            if attempt is None or attempt.state != "inflight" or check is None:
+                continue
+            if check.since is None or sent < check.since:
+                continue  # no round in progress, or this probe left before the round started
+            check.answers[peer] = known is None or mb_id in known
+            verdict = hold_verdict(attempt.route, check.answers)
+            if verdict != "pending" and next_check(
+                check, verdict, now=now, rto_s=self.rtt.rto_s, config=live
+            ):
+                self._fail(
+                    attempt,
+                    reason="lost",
+                    stage=None,
+                    peer=None,
+                    detail=f"no peer of its route holds it ({live.quiet_rounds} checks)",
+                )
+        self.wake.set()
+
+    def _peer_dead(self, peer: str, reason: str, detail: str, sent: float) -> None:
+        """``peer`` is gone: close every attempt through it at once and keep it out of routes."""
+        now = self._clock()
+        self.dead[peer] = now
+        through = [a for a in self.ledger.inflight_attempts() if peer in a.route]
+        self.detected.append({"peer": peer, "time": now, "reason": reason, "attempts": len(through)})
+        self._event("peer_dead", peer=peer, reason=reason, attempts=len(through), detail=detail[:200])
+        if not through:
+            self.router.on_failure(peer, in_flight=False)
+        for i, attempt in enumerate(through):
+            if attempt.state == "inflight":  # the first one's cascade may have closed the others
+                self._fail(
+                    attempt,
+                    reason=reason,
+                    stage=attempt.route.index(peer),
+                    peer=peer,
+                    detail=detail,
+                    cascade=i > 0,
+                )
+        self.wake.set()
+
+    def _flush_cancels(self) -> None:
+        if not self.cancels or not hasattr(self.link, "cancel"):
+            self.cancels.clear()
+            return
+        for pid, ids in self.cancels.items():
+            self.tasks.spawn(self.link.cancel(pid, ids))
+        self.cancels = defaultdict(list)
+
+    async def _cancel_inflight(self) -> None:
+        """At the end: cancel what is still in flight, so peers drop it at once (best effort)."""
+        if not hasattr(self.link, "cancel"):
+            return
+        by_peer: dict[str, list[str]] = defaultdict(list)
+        for a in self.ledger.inflight_attempts():
+            for pid in set(a.route):
+                by_peer[pid].append(a.mb_id)
+        for pid, ids in self.cancels.items():
+            by_peer[pid].extend(ids)
+        self.cancels.clear()
+        await asyncio.gather(*(self.link.cancel(p, ids, timeout_s=2.0) for p, ids in by_peer.items()))
 
     def _resolved_train(self) -> None:
         """One training micro-batch completed or dropped: close the step when it is full."""
@@ -909,9 +1118,19 @@ class Trainer:
             try:
                 self.stages = await self.link.stage_records()
                 self._update_caps()
+                self._flag_departed()
             except PeerFailure as e:
                 self._event("dht_error", detail=str(e)[:200])
             self.wake.set()
+
+    def _flag_departed(self) -> None:
+        """Peers holding our micro-batches whose record left their stage or says leaving: probe them."""
+        now = self._clock()
+        for a in self.ledger.inflight_attempts():
+            for stage, pid in enumerate(a.route):
+                rec = self.stages[stage].get(pid) if stage < len(self.stages) else None
+                if rec is None or rec.state == "leaving":
+                    self.liveness.flag(pid, now)
 
     def _update_caps(self) -> None:
         """Recompute the staleness caps; say once when they hold fewer micro-batches than ``max_inflight``."""

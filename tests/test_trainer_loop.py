@@ -19,6 +19,7 @@ import torch
 from peer.protocol import Report
 from swarm.data import TokenData
 from swarm.errors import PeerFailure, StageUnavailableError
+from swarm.liveness import LivenessConfig
 from swarm.metrics import read_metrics
 from swarm.records import PeerRecord
 from swarm.routing import RoutingConfig
@@ -55,7 +56,9 @@ class Progress:
 
 
 class SimSwarm:
-    """Peers by stage; ``dead`` ones refuse connections, ``silent`` ones swallow micro-batches."""
+    """Peers by stage; ``dead`` ones refuse connections, ``silent`` ones swallow micro-batches
+    (``forgetful`` ones too, but then deny holding them when probed), ``stalling`` ones hold each
+    micro-batch ``stall_s`` seconds. ``at`` says which peer holds a micro-batch (what probes answer)."""
 
     def __init__(self, spec: RunSpec, peers: dict[int, list[str]], *, hop_s: float = 0.002):
         self.spec = spec
@@ -74,6 +77,13 @@ class SimSwarm:
         self.steps_seen = 0
         self.counted_from: dict[str, int] = {}  # mb_id -> the header's counted_from
         self.evict_first: int = 0  # fail this many backwards at stage 0 (version evicted), as peers report it
+        self.forgetful: set[str] = set()
+        self.stalling: set[str] = set()
+        self.stall_s = 0.0
+        self.at: dict[str, str] = {}  # mb_id -> the peer holding it now
+        self.probes: list[str] = []  # peers probed, in order
+        self.cancelled: dict[str, list[str]] = {}  # peer -> mb_ids the trainer cancelled there
+        self.on_heard = lambda peer: None
         self._tasks: set[asyncio.Task] = set()
 
     async def stage_records(self) -> list[dict[str, PeerRecord]]:
@@ -111,7 +121,18 @@ class SimSwarm:
         task.add_done_callback(self._tasks.discard)
         return {"queue": 0}
 
+    async def probe(self, peer: str, mb_ids: list[str], *, timeout_s: float) -> dict:
+        self.probes.append(peer)
+        await asyncio.sleep(0)
+        if peer in self.dead:
+            raise PeerFailure("connection refused", peer=peer, reason="unreachable")
+        return {"held": [i for i in mb_ids if self.at.get(i) == peer]}
+
+    async def cancel(self, peer: str, mb_ids: list[str], *, timeout_s: float = 5.0) -> None:
+        self.cancelled.setdefault(peer, []).extend(mb_ids)
+
     def _report(self, mb_id: str, kind: str, stage: int, peer: str, **kw) -> None:
+        self.on_heard(peer)
         self.on_report(
             Report(run_id=self.spec.run_id, mb_id=mb_id, kind=kind, stage=stage, peer=peer, **kw), b""
         )
@@ -125,10 +146,13 @@ class SimSwarm:
                 if p in self.dead:  # the previous hop cannot deliver and says so
                     self._report(mb_id, "failed", s, p, reason="unreachable")
                     return
+                self.at[mb_id] = p
                 if p in self.silent:
+                    if p in self.forgetful:
+                        self.at.pop(mb_id, None)
                     return
                 self.received[p] = self.received.get(p, 0) + 1
-                await asyncio.sleep(self.hop_s)
+                await asyncio.sleep(self.stall_s if p in self.stalling else self.hop_s)
                 stats[f"fwd_compute_s_{s}"] = self.hop_s
                 stats[f"fwd_bytes_{s}"] = 100.0
             loss = 5.0 / (1 + 0.05 * self.steps_seen)  # a loss that falls as work completes
@@ -149,6 +173,7 @@ class SimSwarm:
                 )
                 return
             self.steps_seen += 1
+            self.at.pop(mb_id, None)
             self._report(mb_id, "done", 0, route[0], stats={"bwd_compute_s_0": self.hop_s})
         finally:
             self.inflight -= 1
@@ -392,3 +417,86 @@ def test_a_retry_after_a_backward_failure_is_not_counted_again_at_later_stages(t
     retried = [v for v in sim.counted_from.values() if v >= 0]
     assert retried == [1, 1]  # both retries tell stage 1 it already counted them
     assert sum(1 for v in sim.counted_from.values() if v < 0) == 6  # first attempts and the rest
+
+
+# ---- failure detection (note "failure detection" in swarm/trainer.py) ---------------------------
+
+QUICK = LivenessConfig(
+    silence_s=0.05, probe_every_s=0.02, initial_rto_s=0.3, min_rto_s=0.1, recheck_s=0.05, dead_hold_s=5.0
+)
+NO_DEADLINE = RoutingConfig(deadline_base_s=600.0, backoff_base_s=0.2, backoff_max_s=1.0)
+
+
+def kill_when_holding(trainer: Trainer, sim: SimSwarm, spec: RunSpec, victim: str, n: int = 2) -> dict:
+    """Run ``trainer``; once ``victim`` holds ``n`` attempts, mark it dead (nobody reports it)."""
+
+    def through() -> list:
+        return [a for a in trainer.ledger.inflight_attempts() if sim.at.get(a.mb_id) == victim]
+
+    async def main():
+        task = asyncio.get_running_loop().create_task(trainer.run_on(sim, data_for(spec)))
+        try:
+            while getattr(trainer, "ledger", None) is None or len(through()) < n:
+                await asyncio.sleep(0.005)
+            held = {a.mb_id for a in through()}
+            sim.dead.add(victim)
+            summary = await asyncio.wait_for(task, timeout=30)
+            summary["held_by_victim"] = held
+            return summary
+        finally:
+            await sim.close()
+
+    return asyncio.run(main())
+
+
+def test_a_peer_killed_with_work_is_found_by_a_probe_and_its_micro_batches_resent(tmp_path):
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0"], 1: ["a1", "doomed"]})
+    sim.silent.add(pid("doomed"))  # keeps what it gets, as a peer that is about to be SIGKILLed
+    # max_inflight 2: once both are with the victim, nothing else is sent, so only a probe can tell
+    trainer = Trainer(config(tmp_path, steps=10, max_inflight=2, routing=NO_DEADLINE, liveness=QUICK))
+    summary = kill_when_holding(trainer, sim, spec, pid("doomed"))
+    mb = summary["micro_batches"]
+    assert mb["completed"] == 10 and mb["opened"] == mb["completed"] + mb["dropped"]
+    assert set(mb["failures_by_reason"]) == {"unreachable"}  # no deadline was waited for
+    assert pid("doomed") in sim.probes
+    events = read_metrics(tmp_path / "metrics.jsonl", "event")
+    assert any(e["event"] == "peer_dead" and e["peer"] == pid("doomed") for e in events)
+    assert trainer.detected and trainer.detected[0]["peer"] == pid("doomed")
+    # the survivors of those routes were told to drop them; the dead peer was not called
+    assert summary["held_by_victim"] <= set(sim.cancelled.get(pid("a0"), []))
+    assert pid("doomed") not in sim.cancelled
+
+
+def test_a_micro_batch_no_route_peer_holds_is_resent_before_its_deadline(tmp_path):
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0"], 1: ["a1", "forgets"]})
+    sim.silent.add(pid("forgets"))
+    sim.forgetful.add(pid("forgets"))  # alive, answers probes, but lost what it was given
+    trainer = Trainer(config(tmp_path, steps=8, max_inflight=2, routing=NO_DEADLINE, liveness=QUICK))
+    summary = run(trainer, sim, spec)
+    mb = summary["micro_batches"]
+    assert mb["completed"] == 8
+    assert set(mb["failures_by_reason"]) == {"lost"} and mb["failures_by_reason"]["lost"] >= 1
+
+
+def test_a_slow_peer_that_still_holds_its_micro_batches_is_not_given_up_on(tmp_path):
+    spec = make_spec()
+    sim = SimSwarm(spec, {0: ["a0"], 1: ["slow"]})
+    sim.stalling.add(pid("slow"))
+    sim.stall_s = 0.4  # longer than the first check times: the checks find it holding them
+    trainer = Trainer(config(tmp_path, steps=4, max_inflight=2, routing=NO_DEADLINE, liveness=QUICK))
+    summary = run(trainer, sim, spec)
+    mb = summary["micro_batches"]
+    assert mb["completed"] == 4 and mb["failed_attempts"] == 0
+    assert pid("slow") in sim.probes
+
+
+def test_sync_mode_does_not_stall_when_a_peer_dies_with_its_window(tmp_path):
+    spec = make_spec("sync", accumulate=3)
+    sim = SimSwarm(spec, {0: ["a0"], 1: ["a1", "doomed"]})
+    sim.silent.add(pid("doomed"))
+    trainer = Trainer(config(tmp_path, steps=4, max_inflight=8, routing=NO_DEADLINE, liveness=QUICK))
+    summary = kill_when_holding(trainer, sim, spec, pid("doomed"), n=1)
+    assert summary["steps"] == 4 and summary["micro_batches"]["completed"] == 12
+    assert set(summary["micro_batches"]["failures_by_reason"]) == {"unreachable"}
