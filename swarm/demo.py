@@ -130,6 +130,8 @@ class DemoConfig:
     torch_threads: int | None = None
     """OMP/MKL threads per peer process (None = CPU count / number of peers, at least 1)."""
     quiet: bool = False
+    keeper: Any = None
+    """A ``swarm.keeper.KeeperConfig``: the bootstrap keeps stage snapshots (as ``swarm init`` does); None = none."""
 
     def __post_init__(self) -> None:
         if self.stages is not None and (isinstance(self.stages, bool) or self.stages < 1):
@@ -242,7 +244,9 @@ class Demo:
     def _start_bootstrap(self) -> None:
         from swarm.bootstrap import Bootstrap, BootstrapConfig
 
-        self.boot = Bootstrap(BootstrapConfig(spec=self.spec, status_interval_s=10.0)).start()
+        self.boot = Bootstrap(
+            BootstrapConfig(spec=self.spec, status_interval_s=10.0, keeper=self.config.keeper)
+        ).start()
         self.maddr = self.boot.maddrs[0]
         log = open(self.logs / "bootstrap.log", "a", encoding="utf-8")  # noqa: SIM115 (closed by the thread)
 
