@@ -68,6 +68,7 @@ def _unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tenso
     return [part.reshape(shape).clone() for part, shape in zip(flat.split(sizes), shapes, strict=True)]
 
 
+ALLREDUCE_MARGIN_S = 10.0  # a round's wait after its group search: the all-reduce (next_chunk_timeout)
 MAX_AUTHORIZED = 1024  # peer ids in the authorized set (a stage list of a run; more are not trusted)
 _DIGEST = 16
 
@@ -297,6 +298,70 @@ class StageAverager:
             for key, item in found.value.items()
         )
 
+    def schedule(self, *, group_size: int, gather: dict[str, Any], timeout_s: float) -> Any:
+        """Start looking for the next round's group now, before this replica's gradients are ready
+        (note "pre-scheduled rounds" in peer/replicas.py): hivemind's matchmaking runs in the averager
+        process while the share accumulates, and the all-reduce waits for :meth:`finish`. Returns the
+        hivemind ``StepControl``; ``timeout_s`` bounds the search for a group."""
+        with self._lock:
+            if group_size != self._group_size:
+                self._averager.set_group_size(group_size)
+                self._group_size = group_size
+            # no retries: a retry after a partial all-reduce would start from a half-averaged buffer
+            return self._averager.step(
+                weight=1.0,
+                gather=gather,
+                timeout=timeout_s,
+                allow_retries=False,
+                require_trigger=True,
+                wait=False,
+            )
+
+    @staticmethod
+    def group_formed(control: Any) -> bool:
+        """The scheduled round's group is complete and waits for this replica's gradients."""
+        from hivemind.averaging.control import AveragingStage
+
+        return not control.done() and control.stage == AveragingStage.AWAITING_TRIGGER
+
+    @staticmethod
+    def cancel(control: Any) -> None:
+        """Give up a scheduled round (its partners' all-reduce fails and they retry)."""
+        if not control.done():
+            control.cancel()
+
+    def finish(
+        self, control: Any, sums: list[torch.Tensor], count: int, *, timeout_s: float
+    ) -> tuple[torch.Tensor, float, dict[str, Any]] | None:
+        """Run the scheduled round with these gradient sums and micro-batch count: the same result as
+        :meth:`combine`. ``timeout_s`` bounds the wait from here (group search and all-reduce)."""
+        with self._lock:
+            flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in sums])
+            if flat.numel() != self.grad_numel:
+                raise ValueError(
+                    f"gradient of {flat.numel()} values; the round buffer holds {self.grad_numel}"
+                )
+            with self._averager.get_tensors() as buffers:
+                buffers[0][:-1].copy_(flat)
+                buffers[0][-1] = float(count)
+            try:
+                if control.done():  # its search ended without a group; the caller schedules afresh
+                    control.result()
+                control.allow_allreduce()
+                gathered = control.result(timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001 -- routine, see combine
+                self.cancel(control)
+                self.rounds_failed += 1
+                logger.info("gradient round of %s did not complete: %s", self.prefix, e)
+                return None
+            if gathered is None:
+                self.rounds_failed += 1
+                return None
+            with self._averager.get_tensors() as buffers:
+                out = buffers[0].clone()
+            self.rounds_ok += 1
+            return out[:-1], float(out[-1]), {str(pid): data for pid, data in gathered.items()}
+
     def combine(
         self,
         sums: list[torch.Tensor],
@@ -308,36 +373,17 @@ class StageAverager:
     ) -> tuple[torch.Tensor, float, dict[str, Any]] | None:
         """One blocking gradient round of ``group_size`` replicas: ``(mean of the sums, flat; mean count;
         gathered)``, ``gathered`` mapping each member's peer id to its ``gather``; None when no full group
-        formed in time or the round failed (routine: the caller keeps its gradients)."""
-        with self._lock:
-            flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in sums])
-            if flat.numel() != self.grad_numel:
-                raise ValueError(
-                    f"gradient of {flat.numel()} values; the round buffer holds {self.grad_numel}"
-                )
-            if group_size != self._group_size:
-                self._averager.set_group_size(group_size)
-                self._group_size = group_size
-            with self._averager.get_tensors() as buffers:
-                buffers[0][:-1].copy_(flat)
-                buffers[0][-1] = float(count)
-            try:
-                gathered = self._averager.step(
-                    weight=1.0, gather=gather, timeout=timeout_s, allow_retries=True
-                )
-            # hivemind surfaces a failed round as one of several types (AllreduceException,
-            # MatchmakingException, TimeoutError, P2P errors); a failed round is routine, never fatal.
-            except Exception as e:  # noqa: BLE001
-                self.rounds_failed += 1
-                logger.info("gradient round of %s did not complete: %s", self.prefix, e)
-                return None
-            if gathered is None:
-                self.rounds_failed += 1
-                return None
-            with self._averager.get_tensors() as buffers:
-                out = buffers[0].clone()
-            self.rounds_ok += 1
-            return out[:-1], float(out[-1]), {str(pid): data for pid, data in gathered.items()}
+        formed in time or the round failed (routine: the caller keeps its gradients). The same as
+        :meth:`schedule` then :meth:`finish` at once."""
+        try:
+            control = self.schedule(group_size=group_size, gather=gather, timeout_s=timeout_s)
+        # hivemind surfaces a failed round as one of several types (AllreduceException,
+        # MatchmakingException, TimeoutError, P2P errors); a failed round is routine, never fatal.
+        except Exception as e:  # noqa: BLE001
+            self.rounds_failed += 1
+            logger.info("gradient round of %s could not start: %s", self.prefix, e)
+            return None
+        return self.finish(control, sums, count, timeout_s=timeout_s + ALLREDUCE_MARGIN_S)
 
     def shutdown(self) -> None:
         try:

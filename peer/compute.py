@@ -406,6 +406,8 @@ class StageCompute:
             if not self.sync and self.optimizer.pending >= self.quota():
                 self._ready.append(self.optimizer.take_gradients())
                 self.on_round_due()
+            elif self.optimizer.pending == 1:
+                self.on_round_due()  # a share began: the rounds thread schedules its round now
             return False
         if not self.optimizer.ready:
             return False
@@ -538,14 +540,15 @@ class StageCompute:
 
     def can_fill_in(self, idle_s: float) -> bool:
         """This replica may join a round another replica waits for with less than its share: nothing
-        is in flight here and no gradient came for ``idle_s`` (nothing at all: at once), i.e. the
-        trainers send their micro-batches elsewhere and the stage's step must not wait for us."""
+        is in flight here and no gradient came for ``idle_s``, i.e. the trainers send their
+        micro-batches elsewhere and the stage's step must not wait for us. (Not at once when nothing
+        is pending: right after a round that is normal, and the next share is on its way.)"""
         with self.lock:
             if self._round_active or self._ready or len(self.stash) > 0:
                 return False
             if self.sync:  # another replica waits: a new window began, so ours is over
                 return True
-            return self.optimizer.pending == 0 or self.stash.clock() - self.last_gradient_at >= idle_s
+            return self.stash.clock() - self.last_gradient_at >= idle_s
 
     def uncombined(self) -> int:
         """Micro-batches whose gradients no step has used yet (accumulating or waiting for a round)."""

@@ -20,6 +20,17 @@ once nothing is in flight and no gradient came for a moment: the trainer sends t
 after this one completed everywhere), and forwards wait for the round (``forward_allowed``), so
 every gradient of a step is computed on the same version, as in a synchronous pipeline.
 
+Note "pre-scheduled rounds": hivemind's matchmaking (finding the group through the DHT) took most
+of a round on loopback (0.3-0.9 s against an all-reduce of tens of ms). So as soon as a share begins
+(its first gradient, or right after the previous round when gradients are already pending) the
+replica *schedules* its next round (``StageAverager.schedule``: hivemind's ``step(require_trigger=
+True, wait=False)``): the group forms while the share accumulates, and the all-reduce starts when the
+share is complete (``finish``). A scheduled round that no longer fits (the version changed by a
+download or a solo step, the replica count changed, or its group search ended without a group) is
+dropped and scheduled again; only a round that failed after its gradients were handed over counts as
+failed. A replica whose group is complete but whose traffic stopped (no gradient for ``idle_s``)
+fills in with what it holds.
+
 Consistency (checked on every round, from what the members ``gather``):
 - a member whose version is behind the group's newest (it missed a round, or joined while the
   others stepped) contributes its gradient but does not step: it downloads the state of a replica
@@ -47,7 +58,7 @@ from typing import Any
 
 import torch
 
-from peer.averaging import StageAverager
+from peer.averaging import ALLREDUCE_MARGIN_S, StageAverager
 from peer.compute import StageCompute
 
 __all__ = ["ReplicaRounds", "RoundsConfig", "round_outcome"]
@@ -84,6 +95,15 @@ class Outcome:
     catch_up: bool  # download the state of a newer (or the reference) replica
     newest: int  # the newest version in the group
     diverged: bool = False
+
+
+@dataclass
+class _Scheduled:
+    """A round scheduled ahead (hivemind's StepControl) for this version and group size."""
+
+    control: Any
+    version: int
+    group: int
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -145,6 +165,7 @@ class ReplicaRounds:
         self.last_round_size = 0
         self.round_s_ema: float | None = None  # seconds a completed round took (EMA)
         self._last_poll = -math.inf
+        self._scheduled: _Scheduled | None = None  # the next round, looking for its group (or formed)
         compute.on_round_due = self._wake.set
         self._thread = threading.Thread(target=self._run, name=f"replica-rounds-{compute.stage}", daemon=True)
 
@@ -169,23 +190,65 @@ class ReplicaRounds:
                 self._wake.clear()
                 if self._stop.is_set():
                     break
-                compute = self.compute
-                if compute.replicas <= 1:
-                    continue
-                if compute.round_due():
-                    self.run_round()
-                elif (
-                    compute.can_fill_in(self.config.idle_s)
-                    and self._poll_due()
-                    and self.averager.others_waiting()
-                ):
-                    self.run_round()  # less than a share (maybe nothing), but the step needs every replica
+                self._tick()
         except Exception:  # a bug here must not leave a peer that silently never steps
             logger.exception(
                 "replica rounds of stage %d crashed; the peer steps alone from now on", self.compute.stage
             )
             self.compute.replicas = 1
             raise
+        finally:
+            self._drop_scheduled()
+
+    def _tick(self) -> None:
+        """One look at the compute: run a due round, fill in for a waiting one, or schedule the next."""
+        compute = self.compute
+        if compute.replicas <= 1:
+            self._drop_scheduled()
+            return
+        self._check_scheduled()
+        if compute.round_due():
+            self.run_round()
+        elif self._scheduled is not None:
+            # our group is complete and its other members wait for us, but our traffic stopped
+            if self.averager.group_formed(self._scheduled.control) and compute.can_fill_in(
+                self.config.idle_s
+            ):
+                self.run_round()
+        elif compute.uncombined() > 0:
+            self._schedule()  # a share has begun: look for its group while it accumulates
+        elif compute.can_fill_in(self.config.idle_s) and self._poll_due() and self.averager.others_waiting():
+            self.run_round()  # less than a share (maybe nothing), but the step needs every replica
+
+    def _schedule(self) -> None:
+        compute = self.compute
+        group = max(2, compute.replicas)
+        version = compute.version
+        gather = {"version": version, "digest": compute.digest()}
+        try:
+            control = self.averager.schedule(group_size=group, gather=gather, timeout_s=self.timeout_s())
+        except Exception as e:  # noqa: BLE001 -- the averager process is gone or busy: retried next tick
+            logger.info("stage %d: could not schedule a gradient round: %s", compute.stage, e)
+            return
+        self._scheduled = _Scheduled(control, version, group)
+
+    def _check_scheduled(self) -> None:
+        """Drop a scheduled round that no longer fits: the version or the replica count changed (a
+        download, a solo step) or its group search ended without a group."""
+        scheduled = self._scheduled
+        if scheduled is None:
+            return
+        if (
+            scheduled.control.done()
+            or scheduled.version != self.compute.version
+            or scheduled.group != max(2, self.compute.replicas)
+        ):
+            self._drop_scheduled()
+
+    def _drop_scheduled(self) -> None:
+        if self._scheduled is not None:
+            self.averager.cancel(self._scheduled.control)
+            self._scheduled = None
 
     def _poll_due(self) -> bool:
         """Ask the DHT whether another replica waits at most every ``poll_s`` (each ask is a DHT get)."""
@@ -196,14 +259,21 @@ class ReplicaRounds:
         return True
 
     def run_round(self) -> bool:
-        """One round now (blocking); True when this replica stepped with the combined gradient."""
+        """One round now (blocking; the scheduled one when it still fits); True when this replica
+        stepped with the combined gradient."""
         compute = self.compute
-        group = max(2, compute.replicas)
-        t0 = time.perf_counter()
+        self._check_scheduled()
+        if self._scheduled is None:
+            self._schedule()
+        scheduled, self._scheduled = self._scheduled, None
         sums, count, version = compute.take_round()
-        gather = {"version": version, "digest": compute.digest(), "count": count}
-        result = self.averager.combine(
-            sums, count, group_size=group, gather=gather, timeout_s=self.timeout_s()
+        if scheduled is None or scheduled.version != version:  # could not schedule, or a step raced us
+            if scheduled is not None:
+                self.averager.cancel(scheduled.control)
+            return self._failed(sums, count, version)
+        t0 = time.perf_counter()
+        result = self.averager.finish(
+            scheduled.control, sums, count, timeout_s=self.timeout_s() + ALLREDUCE_MARGIN_S
         )
         if result is None:
             return self._failed(sums, count, version)
@@ -235,6 +305,8 @@ class ReplicaRounds:
             )
         if outcome.catch_up and self._catch_up(outcome.newest):
             self.counters["caught_up"] += 1
+        if compute.replicas > 1 and compute.uncombined() > 0 and not self._stop.is_set():
+            self._schedule()  # the next share is on its way (async replicas kept serving)
         return stepped
 
     def timeout_s(self) -> float:

@@ -99,7 +99,8 @@ def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
     for i, mb in enumerate("ab"):
         comp.forward(mb, tokens(i), "train")
         comp.backward(mb, grad(i))
-    assert comp.version == 0 and due == [2]  # its share is in: a round is due, no local step
+    # woken when the share began (the round is scheduled then) and when it is in: no local step
+    assert comp.version == 0 and due == [1, 2]
     assert comp.round_due()
     sums, count, version = comp.take_round()
     assert count == 2 and comp.uncombined() == 0 and not comp.round_due() and not comp.can_fill_in(0.0)
@@ -189,7 +190,9 @@ def test_a_replica_without_traffic_may_fill_in_only_when_idle():
     clock = [0.0]
     comp = StageCompute(spec(accumulate=4), 0, clock=lambda: clock[0])
     comp.replicas = 2
-    assert comp.can_fill_in(idle_s=1.0)  # nothing at all: at once
+    assert not comp.can_fill_in(idle_s=1.0)  # nothing yet, but only just started
+    clock[0] = 1.0
+    assert comp.can_fill_in(idle_s=1.0)  # nothing for idle_s
     comp.forward("a", tokens(0), "train")
     assert not comp.can_fill_in(idle_s=1.0)  # something in flight
     comp.backward("a", grad(0))
