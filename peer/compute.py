@@ -23,6 +23,13 @@ Stage boundaries: what a stage sends on and receives back goes through ``swarm.s
 state itself (``width = d_model``). So ``forward`` takes ``(B, T, width)`` plus the token ids and
 ``backward`` takes and returns ``(B, T, width)`` tensors.
 
+Note "applied staleness": what the look-ahead needs (peer/optimizer.py, note "extrapolated weights")
+is how many versions after its forward a micro-batch's gradient is *applied*. A lone peer steps as soon
+as a step's gradients are in, so that is the staleness at its backward. A replica's share waits for
+its round, and async replicas keep serving meanwhile, so a share accumulated during a round is
+applied one round later: every share carries the sum of its micro-batches' forward versions, and
+the round that applies it tells the optimizer the mean (``note_staleness``).
+
 Thread-safety: the worker thread calls forward/backward; other threads (averaging, state download,
 checkpoints, replica rounds) call :meth:`export_state`, :meth:`take_round`, :meth:`end_round`,
 :meth:`adopt_state`. Every access to versions, stash and
@@ -89,6 +96,15 @@ class BackwardResult:
     entry: StashEntry
 
 
+@dataclass
+class _Share:
+    """A replica's gradient sums of ``count`` micro-batches, waiting for (or in) a round."""
+
+    sums: list[torch.Tensor]
+    count: int
+    forward_versions: int  # the sum of the versions its micro-batches' forwards ran on
+
+
 class StageCompute:
     """Weights, stash and optimizer of one stage on one device."""
 
@@ -135,7 +151,9 @@ class StageCompute:
         self._round_active = False  # sync mode: forwards wait while a round combines this window
         # shares complete while a round ran wait here, oldest first: every round takes exactly one
         # share of each replica, so a slow round never merges several steps' micro-batches into one
-        self._ready: deque[tuple[list[torch.Tensor], int]] = deque()
+        self._ready: deque[_Share] = deque()
+        self._pending_forwards = 0  # sum of the forward versions of the optimizer's pending micro-batches
+        self._active: _Share | None = None  # the share of the round that runs
         self._windows: dict[str, int] = {}  # sync mode: the newest window seen per trainer
         self._digest_cache: tuple[int, list[float]] | None = None
 
@@ -303,7 +321,7 @@ class StageCompute:
         with self.lock:
             stepped = False
             if count:
-                self.optimizer.accumulate(param_grads, staleness=self.version - version)
+                self._accumulate(param_grads, version)
                 stepped = self._maybe_step()
             else:
                 self._release_window_slot()
@@ -358,7 +376,7 @@ class StageCompute:
             staleness = self.version - entry.version
             stepped = False
             if entry.count:
-                self.optimizer.accumulate(param_grads, staleness=staleness)
+                self._accumulate(param_grads, entry.version)
                 stepped = self._maybe_step()
             else:
                 self._release_window_slot()
@@ -397,6 +415,21 @@ class StageCompute:
 
     # ---- steps, drops, expiry ------------------------------------------------------------------
 
+    def _accumulate(self, param_grads: dict[str, torch.Tensor | None], forward_version: int) -> None:
+        """Add one micro-batch's gradient, computed on ``forward_version`` (under the lock). A lone
+        peer steps as soon as its step is complete, so its staleness is known now; a replica's is
+        known when its round applies the share (note "applied staleness")."""
+        self.optimizer.accumulate(
+            param_grads, staleness=self.version - forward_version if self.replicas <= 1 else None
+        )
+        self._pending_forwards += forward_version
+
+    def _take_share(self) -> _Share:
+        sums, count = self.optimizer.take_gradients()
+        share = _Share(sums, count, self._pending_forwards)
+        self._pending_forwards = 0
+        return share
+
     def _maybe_step(self) -> bool:
         """Step when ``accumulate`` micro-batches are in (sync: and none of this window is in flight).
 
@@ -404,7 +437,7 @@ class StageCompute:
         self.last_gradient_at = self.stash.clock()
         if self.replicas > 1:
             if not self.sync and self.optimizer.pending >= self.quota():
-                self._ready.append(self.optimizer.take_gradients())
+                self._ready.append(self._take_share())
                 self.on_round_due()
             elif self.optimizer.pending == 1:
                 self.on_round_due()  # a share began: the rounds thread schedules its round now
@@ -414,6 +447,7 @@ class StageCompute:
         if self.sync and len(self.stash) > 0:
             return False
         served = self.optimizer.step()
+        self._pending_forwards = 0
         self._push_version(served)
         self.steps_taken += 1
         if self.sync:
@@ -458,6 +492,7 @@ class StageCompute:
             if self.optimizer.pending == 0:
                 return False
             served = self.optimizer.step()
+            self._pending_forwards = 0
             self._push_version(served)
             self.steps_taken += 1
             self._window_forwards = 0
@@ -491,6 +526,7 @@ class StageCompute:
             self.versions.reset(version, self.optimizer.served())
             self.stash = MicroBatchStash(self.spec.stash_ttl_s, clock=self.stash.clock)
             self._ready.clear()
+            self._pending_forwards = 0
             self._window_forwards = 0
         self.on_gate_change()
 
@@ -522,7 +558,7 @@ class StageCompute:
                 return False
             if self.sync and not self._ready and self.optimizer.pending and len(self.stash) == 0:
                 if self.stash.clock() - self.last_gradient_at >= settle_s:
-                    self._ready.append(self.optimizer.take_gradients())
+                    self._ready.append(self._take_share())
             return bool(self._ready)
 
     def note_window(self, trainer: str, window: int) -> None:
@@ -535,7 +571,7 @@ class StageCompute:
                 return
             self._windows[trainer] = window
             if self.replicas > 1 and self.sync and self.optimizer.pending and not self._round_active:
-                self._ready.append(self.optimizer.take_gradients())
+                self._ready.append(self._take_share())
                 self.on_round_due()
 
     def can_fill_in(self, idle_s: float) -> bool:
@@ -553,7 +589,7 @@ class StageCompute:
     def uncombined(self) -> int:
         """Micro-batches whose gradients no step has used yet (accumulating or waiting for a round)."""
         with self.lock:
-            return self.optimizer.pending + sum(count for _, count in self._ready)
+            return self.optimizer.pending + sum(share.count for share in self._ready)
 
     def set_replicas(self, n: int) -> None:
         """The stage's live replica count changed. Alone again, the stage steps locally: at once with
@@ -583,17 +619,20 @@ class StageCompute:
     def _merge_ready(self) -> None:
         """Put the shares waiting for a round back into the accumulator (a local step takes them all)."""
         while self._ready:
-            self.optimizer.give_back_gradients(*self._ready.popleft())
+            share = self._ready.popleft()
+            self.optimizer.give_back_gradients(share.sums, share.count)
+            self._pending_forwards += share.forward_versions
 
     def take_round(self) -> tuple[list[torch.Tensor], int, int]:
         """Start a round: ``(gradient sums, micro-batch count, version)`` of the oldest complete share, or
         of what has accumulated (an idle replica's partial share); accumulation goes on apart."""
         with self.lock:
-            sums, count = self._ready.popleft() if self._ready else self.optimizer.take_gradients()
+            share = self._ready.popleft() if self._ready else self._take_share()
+            self._active = share
             self._round_active = True
             version = self.version
         self.on_gate_change()
-        return sums, count, version
+        return share.sums, share.count, version
 
     def end_round(
         self, mean: list[torch.Tensor] | None, version: int, back: tuple[list[torch.Tensor], int] | None
@@ -603,9 +642,13 @@ class StageCompute:
         first). Returns whether it stepped."""
         stepped = False
         with self.lock:
+            active, self._active = self._active, None
+            forwards = active.forward_versions if active is not None else 0
             if back is not None:
-                self._ready.appendleft(back)  # retried first
+                self._ready.appendleft(_Share(back[0], back[1], forwards))  # retried first
             if mean is not None and self.version == version:
+                if active is not None and active.count:  # note "applied staleness"
+                    self.optimizer.note_staleness(version - forwards / active.count, active.count)
                 served = self.optimizer.step_with(mean)
                 self._push_version(served)
                 self.steps_taken += 1

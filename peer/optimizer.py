@@ -174,14 +174,23 @@ class StageOptimizer:
 
     # ---- gradients ----------------------------------------------------------------------------
 
-    def accumulate(self, grads: Params, *, staleness: int = 0) -> None:
-        """Add one micro-batch's parameter gradients (missing names count as zero)."""
+    def accumulate(self, grads: Params, *, staleness: int | None = 0) -> None:
+        """Add one micro-batch's parameter gradients (missing names count as zero). ``staleness``: the
+        versions between its forward and the step that will apply it, when known now (None: told
+        later, :meth:`note_staleness`)."""
         with torch.no_grad():
             for name, g in grads.items():
                 if g is not None:
                     self.grads[name].add_(g.to(self.grads[name].dtype))
         self.pending += 1
-        self.staleness = _STALENESS_EMA * self.staleness + (1.0 - _STALENESS_EMA) * float(staleness)
+        if staleness is not None:
+            self.note_staleness(float(staleness), 1)
+
+    def note_staleness(self, staleness: float, count: int) -> None:
+        """``count`` micro-batches were (or will be) applied ``staleness`` versions after their forward,
+        on average: the EMA that drives the look-ahead moves as if each had been noted alone."""
+        keep = _STALENESS_EMA ** max(0, count)
+        self.staleness = keep * self.staleness + (1.0 - keep) * float(staleness)
 
     @property
     def ready(self) -> bool:

@@ -128,6 +128,24 @@ def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
     assert not comp.end_round([s for s in sums], version - 1, None)
 
 
+def test_a_replicas_staleness_is_counted_when_its_round_applies_the_share():
+    comp = StageCompute(spec(accumulate=4), 0)
+    comp.replicas = 2
+    for i, mb in enumerate("ab"):  # forwards and backwards at version 0
+        comp.forward(mb, tokens(i), "train")
+        comp.backward(mb, grad(i))
+    assert comp.optimizer.staleness == 0.0  # nothing applied yet
+    sums, count, version = comp.take_round()
+    for i, mb in enumerate("cd"):  # served during the round, still on version 0
+        comp.forward(mb, tokens(2 + i), "train")
+        comp.backward(mb, grad(2 + i))
+    assert comp.end_round([s / count for s in sums], version, None)  # applied at once: 0
+    assert comp.optimizer.staleness == 0.0
+    sums, count, version = comp.take_round()
+    assert comp.end_round([s / count for s in sums], version, None)  # computed on 0, applied at 1
+    assert comp.optimizer.staleness == pytest.approx(1 - 0.9**2)
+
+
 def test_a_replica_adopts_a_newer_state_keeping_its_in_flight_work():
     donor = StageCompute(spec(accumulate=1), 0)
     for i in range(2):
