@@ -8,7 +8,7 @@ written out of place; ``tests/test_optimizer.py`` checks AdamW against ``torch.o
 
 Two parameter sets (note "served weights")
 -------------------------------------------
-The optimizer owns the *base* parameters ``params`` (what is checkpointed, averaged and sent to
+The optimizer owns the *base* parameters ``params`` (what is checkpointed and sent to
 joining peers) and exposes :meth:`served`, the weights forwards and backwards run with. For AdamW
 and Muon they are the same tensors unless ``lookahead`` is on (note "extrapolated weights"). For
 ``nesterov`` they are the look-ahead point::
@@ -62,7 +62,7 @@ CUDA (as Jordan's code) and in float32 elsewhere (CPUs have slow bf16 matmuls).
 
 Scale convention: ``0.2 sqrt(max(rows, cols))`` (Liu et al. 2025, "Muon is Scalable for LLM
 Training") makes the update's RMS 0.2 per element for every shape, about the RMS of an AdamW update,
-so ``muon_lr`` is on AdamW's scale (and defaults to ``lr``) instead of Jordan's ``max(1, rows/cols)^0.5``
+so ``muon_lr`` is on AdamW's scale (default 3 x ``lr``) instead of Jordan's ``max(1, rows/cols)^0.5``
 with its own lr around 0.02 (0.02 there is about 0.009 here for square matrices). ``lr_m`` follows the
 same warmup and schedule as ``lr`` (``OptimizerConfig.muon_lr_at``).
 
@@ -317,36 +317,7 @@ class StageOptimizer:
         return self._served
 
     @torch.no_grad()
-    def shift(self, deltas: list[torch.Tensor], averaged: list[torch.Tensor] | None = None) -> Params:
-        """Add ``deltas`` (in :meth:`state_tensors` order) to parameters and slots; return new served weights.
-
-        Used to apply an averaging round as ``current + (averaged - sent)``, which keeps the local
-        steps taken while the round ran. Parameters get new tensors (kept versions stay intact).
-        Accumulated gradients are kept.
-
-        ``exp_avg_sq`` is floored at ``min(current, averaged)`` (at 0 without ``averaged``): it decays
-        between the snapshot and the apply, so ``current + (averaged - sent)`` can land near or below
-        0, and a second moment near 0 turns the next update into ``m / eps`` -- a demo replica blew up
-        that way. Both floor terms are genuine second moments, and when no step happened during the
-        round (``current == sent``) the result is exactly ``averaged``, so replicas still agree.
-        """
-        if len(deltas) != len(self.state_tensors()):
-            raise ValueError(f"got {len(deltas)} deltas, expected {len(self.state_tensors())}")
-        k = len(self.names)
-        device = next(iter(self.params.values())).device
-        self.params = {n: self.params[n] + deltas[i].to(device) for i, n in enumerate(self.names)}
-        for idx, (slot, n) in enumerate(self._slot_layout(), start=k):
-            t = self.state[slot][n]
-            if slot != "exp_avg_sq":
-                t.add_(deltas[idx].to(device))
-                continue
-            floor = torch.zeros_like(t) if averaged is None else torch.minimum(t, averaged[idx].to(device))
-            t.add_(deltas[idx].to(device))
-            torch.maximum(t, floor.clamp_(min=0.0), out=t)
-        self._served = self._compute_served()
-        return self._served
-
-    # ---- state for checkpoints, downloads and averaging --------------------------------------
+    # ---- state for checkpoints and downloads --------------------------------------------------
 
     def _slot_layout(self) -> list[tuple[str, str]]:
         """``(slot, parameter)`` pairs after the parameters: slots sorted, each in parameter order."""

@@ -52,7 +52,7 @@ DEFAULT_DEMO_SPEC: dict[str, Any] = {
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
     "stages": 2,
     "codecs": {"activations": "blockwise8", "gradients": "blockwise8"},
-    "optimizer": {"name": "adamw", "lr": 3e-3, "accumulate": 2, "mode": "async"},
+    "optimizer": {"name": "muon", "lr": 3e-3, "accumulate": 2, "mode": "async"},
     "averaging": {"timeout_s": 5},
     "micro_batch_size": 8,
     "autocast": "auto",

@@ -75,8 +75,12 @@ MAX_VERSIONS_CAP = 64
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 OPTIMIZERS = ("adamw", "nesterov", "muon")
-MUON_MOMENTUM = 0.95
-"""Muon's momentum when ``optimizer.muon_momentum`` is left out (the value of the Muon paper and code)."""
+MUON_MOMENTUM = 0.8
+"""Muon's momentum when ``optimizer.muon_momentum`` is left out. The Muon paper and code use 0.95; at
+the demo's size 0.8 trained better, in one process and asynchronously (BENCHMARKS.md, "Async replay")."""
+MUON_LR_RATIO = 3.0
+"""Muon's peak lr when ``optimizer.muon_lr`` is left out: this many times ``lr`` (3e-3 -> 9e-3; at the
+demo's size 0.005-0.01 trained best with lr 3e-3)."""
 SCHEDULES = ("constant", "cosine")
 MODES = ("async", "sync")
 AUTOCAST_CHOICES = ("auto", "none", "bf16", "fp16")
@@ -432,21 +436,22 @@ class OptimizerConfig:
 
     _SECTION: ClassVar[str] = "optimizer"
 
-    name: str = "adamw"
-    """``adamw``; ``nesterov`` (SGD with delay-aware Nesterov momentum); or ``muon`` (Muon on the 2-D
-    weight matrices of the transformer blocks, AdamW on embeddings, head and norms; see
-    peer/optimizer.py)."""
+    name: str = "muon"
+    """``muon`` (the default: Muon on the 2-D weight matrices of the transformer blocks, AdamW on
+    embeddings, head and norms, with the look-ahead on; see peer/optimizer.py), ``adamw``, or
+    ``nesterov`` (SGD with delay-aware Nesterov momentum). Muon is the default because it trains better
+    per token than AdamW in one process and loses far less to the staleness of asynchronous pipelines
+    (BENCHMARKS.md, "Convergence")."""
     lr: float = 3e-3
     """Peak learning rate (reached after warmup); with ``muon``, that of the AdamW part."""
     muon_lr: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """Peak learning rate of Muon's matrices (``muon`` only; follows the same warmup and schedule as
-    ``lr``); None = ``lr``. Muon's update is scaled to the RMS of an AdamW update (0.2 per element), so
-    the two lrs are comparable; at the demo's size 0.005-0.01 (with lr 3e-3) trained best in one
-    process, and 0.005 lost less to async staleness (BENCHMARKS.md, "Async replay"). Lower it if the
-    loss spikes."""
+    ``lr``); None = MUON_LR_RATIO (3) x ``lr``. Muon's update is scaled to the RMS of an AdamW update
+    (0.2 per element), so the two lrs are comparable; at the demo's size 0.005-0.01 (with lr 3e-3)
+    trained best in one process. Lower it if the loss spikes."""
     muon_momentum: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
-    """Muon's momentum (Nesterov form; ``muon`` only); None = MUON_MOMENTUM (0.95). 0.8 trained better
-    at the demo's size, in one process and async."""
+    """Muon's momentum (Nesterov form; ``muon`` only); None = MUON_MOMENTUM (0.8; the Muon paper's 0.95
+    trained worse at the demo's size, in one process and async)."""
     lookahead: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """Delay compensation of ``adamw`` and ``muon`` (peer/optimizer.py, note "extrapolated weights"):
     forwards run on ``params + lookahead * staleness * (the last step's change)``, so a gradient that
@@ -626,7 +631,7 @@ class OptimizerConfig:
 
     def muon_lr_at(self, step: int) -> float:
         """Muon's learning rate for step ``step``: ``lr_at(step)`` scaled by ``muon_lr / lr``."""
-        scale = 1.0 if self.muon_lr is None else self.muon_lr / self.lr
+        scale = MUON_LR_RATIO if self.muon_lr is None else self.muon_lr / self.lr
         return self.lr_at(step) * scale
 
     @property

@@ -64,7 +64,7 @@ def test_tiny_example_has_the_requested_shape():
     assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.seq_len) == (256, 128, 4, 4, 128)
     assert spec.stages == ((0, 2), (2, 4))
     assert spec.codecs == CodecsConfig(activations="blockwise8", gradients="blockwise8")
-    assert spec.optimizer.name == "adamw" and spec.optimizer.mode == "async"
+    assert spec.optimizer.name == "muon" and spec.optimizer.mode == "async"
     assert spec.optimizer.lr == 3e-3  # written `3e-3`, which plain PyYAML would read as a string
     assert spec.micro_batch_size == 8
     assert spec.tokens_per_micro_batch == 8 * 128
@@ -80,7 +80,8 @@ def test_tiny_example_has_the_requested_shape():
 def test_defaults():
     spec = RunSpec.from_dict(minimal())
     opt = spec.optimizer
-    assert (opt.name, opt.lr, opt.schedule, opt.warmup_steps) == ("adamw", 3e-3, "constant", 0)
+    assert (opt.name, opt.lr, opt.schedule, opt.warmup_steps) == ("muon", 3e-3, "constant", 0)
+    assert (opt.muon_lr_at(0), opt.muon_beta, opt.lookahead_scale) == (pytest.approx(9e-3), 0.8, 1.0)
     assert (opt.betas, opt.weight_decay, opt.accumulate, opt.clip_norm) == ((0.9, 0.95), 0.0, 1, 1.0)
     assert (opt.mode, opt.max_versions, opt.recompute, opt.momentum) == ("async", 3, True, 0.9)
     assert spec.averaging == AveragingConfig(timeout_s=5.0)
