@@ -13,7 +13,7 @@ processes, a ``Trainer`` in this process):
 2. the same run with chaos: every ``--kill-every-s`` seconds (jittered) one random peer of a stage
    that still has a live stage-mate is killed with SIGKILL (the peer process only, as a crash would:
    its hivemind DHT process, averager and p2pd must exit by themselves) and a fresh peer is started
-   for its stage; once, halfway through, *every* replica of the last stage is killed at once and two
+   for its stage; once, a third of the way through (once the keeper holds a snapshot), *every* replica of the last stage is killed at once and two
    fresh peers are started: they find no live replica and restore the keeper's snapshot.
 
 Figures (each from the trainer's metrics file, its events and the run's DHT records):
@@ -225,7 +225,8 @@ def run_layout(
                 if run.done():
                     return
                 keeper = demo.boot.keeper
-                if not wiped and trainer.step >= steps // 2 and keeper.held[wipe_stage] is not None:
+                held = keeper.held[wipe_stage]
+                if not wiped and trainer.step >= steps // 3 and held is not None and held.version > 0:
                     victims = live(wipe_stage)
                     if len(victims) < 2:
                         continue  # a replacement is still starting: wipe when the stage is whole again

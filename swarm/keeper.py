@@ -4,7 +4,8 @@ A keeper is a long-lived node (the run owner's ``swarm init`` runs one; ``swarm 
 run another) that, for each stage of a run:
 
 1. downloads the stage's state from its live replicas at most every ``interval_s`` seconds, and
-   only when a replica announces a newer version than the keeper holds. The download is hivemind's
+   only when a replica announces a newer version than the keeper holds (and above 0: version 0 is
+   the initial weights, so the first snapshot is taken as soon as a stage has stepped once). The download is hivemind's
    own state download, the one joining peers use (``peer.averaging.StageAverager.load_state``:
    ``load_state_from_peers`` under the stage's averager prefix), never a transport of our own;
 2. writes it atomically to disk, keeping the ``keep`` newest snapshots per stage
@@ -266,8 +267,9 @@ class Keeper:
             )
             live = [r.version for r in recs.values() if r.state == "online"]
             held = self.held[stage]
-            if not live or max(live) <= (held.version if held else -1):
-                continue  # nothing newer to take
+            # nothing newer to take; version 0 is the spec's initial weights, which every peer can rebuild
+            if not live or max(live) <= (held.version if held else 0):
+                continue
             if now - self._last_download[stage] < self.cfg.interval_s:
                 continue
             self._last_download[stage] = now
