@@ -596,6 +596,7 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
             "notes": list(export.notes),
         },
         "peers_by_stage": summary.get("peers_by_stage"),
+        "staleness": summary.get("staleness"),  # per stage: mean versions between forward and backward
         "leftover_pids": leftovers,
     }
 

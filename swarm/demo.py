@@ -52,7 +52,7 @@ DEFAULT_DEMO_SPEC: dict[str, Any] = {
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
     "stages": 2,
     "codecs": {"activations": "blockwise8", "gradients": "blockwise8"},
-    "optimizer": {"name": "muon", "lr": 3e-3, "accumulate": 2, "mode": "async"},
+    "optimizer": {"name": "muon", "lr": 3e-3, "accumulate": 4, "warmup_steps": 10, "mode": "async"},
     "averaging": {"timeout_s": 5},
     "micro_batch_size": 8,
     "autocast": "auto",
@@ -99,8 +99,8 @@ class DemoConfig:
     """Pipeline stages (None = the spec's, 2 for the demo run)."""
     peers_per_stage: int = 2
     """Peer processes per stage (data parallel inside a stage)."""
-    steps: int = 150
-    """Trainer steps (``optimizer.accumulate`` = 2 micro-batches each: 300 micro-batches, 307k tokens); the
+    steps: int = 75
+    """Trainer steps (``optimizer.accumulate`` = 4 micro-batches each: 300 micro-batches, 307k tokens); the
     default finishes in about 2 minutes on 2 CPU cores with the loss clearly falling."""
     codec: str | None = None
     """Codec for activations and gradients (None = the spec's, blockwise8); see `swarm codecs`."""

@@ -61,7 +61,7 @@ def start_demo(out: Path, *args: str) -> subprocess.Popen:
 
 def test_demo_with_chaos_trains_writes_out_and_leaves_nothing(tmp_path):
     out = tmp_path / "demo"
-    proc = start_demo(out, "--steps", "36", "--chaos")
+    proc = start_demo(out, "--steps", "18", "--chaos")
     try:
         output, _ = proc.communicate(timeout=480)
     finally:
@@ -71,7 +71,7 @@ def test_demo_with_chaos_trains_writes_out_and_leaves_nothing(tmp_path):
     assert proc.returncode == 0, output[-3000:]
     assert "chaos: killed peer" in output and "loss" in output, output[-3000:]
     steps = read_metrics(out / "metrics.jsonl", "step")
-    assert len(steps) == 36
+    assert len(steps) == 18
     first = sum(r["loss"] for r in steps[:5]) / 5
     last = sum(r["loss"] for r in steps[-5:]) / 5
     assert last < first - 0.5, (first, last)
@@ -82,7 +82,7 @@ def test_demo_with_chaos_trains_writes_out_and_leaves_nothing(tmp_path):
     mb = summary["micro_batches"]
     assert (
         mb["completed"] == 72 and mb["opened"] == mb["completed"] + mb["dropped"]
-    )  # 36 steps x accumulate 2
+    )  # 18 steps x accumulate 4
     demo = summary["demo"]
     assert len(demo["chaos"]) == 1 and sum(p["killed"] for p in demo["peers"]) == 1
     assert len(demo["peers"]) == 5  # 2 x 2 and the fresh one

@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--stages", type=int, default=None, metavar="S", help="pipeline stages (default: the spec's, 2)"
     )
     p.add_argument("--peers-per-stage", type=int, default=2, metavar="P", help="peers per stage (default 2)")
-    p.add_argument("--steps", type=int, default=None, metavar="N", help="trainer steps (default 150)")
+    p.add_argument("--steps", type=int, default=None, metavar="N", help="trainer steps (default 75)")
     p.add_argument(
         "--codec", default=None, metavar="NAME", help="codec for activations and gradients (swarm codecs)"
     )
