@@ -172,6 +172,7 @@ def run_layout(
     demo = make_demo(spec, root / f"s{stages}-chaos", snapshot_interval_s=snapshot_interval_s)
     kills: list[dict[str, Any]] = []
     orphans: list[dict[str, Any]] = []
+    replacements: list[dict[str, Any]] = []  # every fresh peer: online, or why not
     fresh: list[asyncio.Task] = []
     t0 = time.monotonic()
     try:
@@ -216,6 +217,14 @@ def run_layout(
             )
             remove_stale_sockets(demo.socket_prefix)
 
+        async def replace(stage: int, name: str) -> None:
+            t = time.monotonic()
+            try:
+                await demo.add_peer_async(stage, name=name)
+                replacements.append({"stage": stage, "online_s": time.monotonic() - t})
+            except Exception as e:  # noqa: BLE001 -- a replacement that never came online is a result
+                replacements.append({"stage": stage, "error": f"{type(e).__name__}: {e}"[:500]})
+
         async def chaos(run: asyncio.Task) -> None:
             while getattr(trainer, "started", None) is None:
                 await asyncio.sleep(0.1)
@@ -235,9 +244,7 @@ def run_layout(
                         await kill(v, "wipe")
                     for v in victims:
                         fresh.append(asyncio.create_task(watch_orphans(v)))
-                        fresh.append(
-                            asyncio.create_task(demo.add_peer_async(wipe_stage, name=f"w{len(kills)}"))
-                        )
+                        fresh.append(asyncio.create_task(replace(wipe_stage, f"w{len(kills)}")))
                     continue
                 choices = [s for s in range(stages) if len(live(s)) >= 2]
                 if not choices:
@@ -245,7 +252,7 @@ def run_layout(
                 victim = rng.choice(live(rng.choice(choices)))
                 await kill(victim, "single")
                 fresh.append(asyncio.create_task(watch_orphans(victim)))
-                fresh.append(asyncio.create_task(demo.add_peer_async(victim.stage, name=f"f{len(kills)}")))
+                fresh.append(asyncio.create_task(replace(victim.stage, f"f{len(kills)}")))
 
         async def main() -> dict:
             run = asyncio.get_running_loop().create_task(trainer.run())
@@ -290,6 +297,7 @@ def run_layout(
         "lost_stage_steps": lost_steps,
         "lost_tokens": lost_steps * spec.optimizer.accumulate * spec.tokens_per_micro_batch,
         "orphans": orphans,
+        "replacements": replacements,
         "leftovers": len(demo.leftovers()),
         "eval_loss": final_eval(records),
     }
@@ -341,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--render", action="store_true", help="print the BENCHMARKS.md section from --out")
+    p.add_argument(
+        "--work-dir", default=None, help="keep the runs' logs and metrics here (default: a temporary dir)"
+    )
     args = p.parse_args(argv)
     if args.render:
         print(render(json.loads(Path(args.out).read_text())))
@@ -359,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         "layouts": [],
     }
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        if args.work_dir:
+            tmp = args.work_dir
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         for stages in args.stages:
             results["layouts"].append(
                 run_layout(
