@@ -63,6 +63,18 @@ micro-batches, so trainer steps, stage versions and exported step counts agree.
 exactly ``accumulate`` micro-batches, waits until every one of them is completed or dropped, and
 only then sends the next ``accumulate`` (so peers step in lock-step).
 
+Resuming (note "resume")
+------------------------
+``resume=True`` (``swarm train --resume OUT``) continues the run whose trainer wrote ``OUT`` and was
+killed or stopped: :func:`read_resume_state` reads ``OUT/metrics.jsonl`` (its first ``start`` event and
+its last step record) and the trainer continues from that step, token count and data position (the
+number of micro-batches drawn from the seeded data stream, skipped again on resume), with the same
+trainer id and data seed, appending to the metrics file. The steps (or tokens) to reach are the same
+totals as before unless given again. Anything that does not fit (no such directory, no start record, a
+different run, spec, data source or seed, nothing left to do) raises ``ConfigError`` before anything is
+written. Micro-batches the old trainer had in flight are lost with it (their peers drop them: note
+"trainers that vanish" in peer/server.py).
+
 One asyncio loop owns everything: the report handler, the sending tasks, and two background loops
 (refreshing stage records from the DHT, publishing this trainer's progress). DHT calls are blocking
 and go through ``asyncio.to_thread``; ``Membership`` serialises them. Every background task is
@@ -116,7 +128,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainerConfig", "Trainer", "SwarmLink", "service_seconds", "classify_failure"]
+__all__ = [
+    "TrainerConfig",
+    "Trainer",
+    "SwarmLink",
+    "ResumeState",
+    "read_resume_state",
+    "service_seconds",
+    "classify_failure",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +193,9 @@ class TrainerConfig:
     log: tuple[str, ...] = ()
     """Extra metric sinks besides metrics.jsonl: "tensorboard" and/or "wandb" (optional packages;
     W&B runs offline when no API key is configured). Empty = JSONL only."""
+    resume: bool = False
+    """Continue the run this trainer's ``out_dir`` holds (note "resume"): its step, tokens, data position,
+    trainer id and seed; metrics are appended. ``steps``/``tokens`` (totals) default to the old target."""
     secret: bytes | None = field(default=None, repr=False)
     """Join secret of a private run (``swarm.auth.load_secret``: --secret-file or SWARMPIPE_SECRET);
     None for public runs. See SECURITY.md."""
@@ -215,6 +238,10 @@ class TrainerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name}={v!r} must be a positive number of seconds")
+        if self.resume and not self.out_dir:
+            raise ConfigError(
+                "resume=True needs out_dir: the directory of the run to continue (swarm train --resume OUT)"
+            )
         if self.stage_wait_s is not None and not (self.stage_wait_s > 0):
             raise ConfigError(f"stage_wait_s={self.stage_wait_s!r} must be positive or None (wait forever)")
         if self.trainer_id is not None and not (
@@ -281,6 +308,67 @@ def service_seconds(stats: dict[str, float], stage: int) -> float | None:
     parts = [stats.get(f"fwd_compute_s_{stage}"), stats.get(f"bwd_compute_s_{stage}")]
     known = [p for p in parts if p is not None and math.isfinite(p) and p >= 0]
     return sum(known) if known else None
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """Where a trainer's earlier session stopped (note "resume"), read from its ``metrics.jsonl``."""
+
+    out_dir: str
+    run_id: str
+    spec_hash: str
+    trainer_id: str
+    seed: int
+    data_source: str | None
+    target_steps: int
+    step: int = 0
+    tokens: int = 0
+    data_position: int = 0
+    time_s: float = 0.0
+
+
+def read_resume_state(out_dir: str, *, run_id: str) -> ResumeState:
+    """Read where the trainer that wrote ``out_dir`` stopped; ``ConfigError`` (naming the value, the rule
+    and the next step) when there is nothing of run ``run_id`` to resume there. Reads only."""
+    out = Path(out_dir)
+    fresh = "or drop --resume to start a new run there"
+    if not out.is_dir():
+        raise ConfigError(
+            f"--resume {out_dir}: no such directory; give the --out directory of the trainer to continue, {fresh}"
+        )
+    path = out / "metrics.jsonl"
+    records = read_metrics(path) if path.is_file() else []
+    starts = [r for r in records if r.get("type") == "event" and r.get("event") == "start"]
+    start = starts[-1] if starts else None  # the latest session's (a resumed one repeats the rest)
+    if start is None:
+        raise ConfigError(
+            f"--resume {out_dir}: {path} holds no trainer start record, so no trainer ran there; "
+            f"give the --out directory of the trainer to continue, {fresh}"
+        )
+    if start.get("run_id") != run_id:
+        raise ConfigError(
+            f"--resume {out_dir} was written by a trainer of run {start.get('run_id')!r}, not of run "
+            f"{run_id!r} (--run); resume with --run {start.get('run_id')}, or use another --out for run {run_id!r}"
+        )
+    steps = [r for r in records if r.get("type") == "step" and isinstance(r.get("step"), int)]
+    last = steps[-1] if steps else {}
+    target = start.get("target_steps")
+    return ResumeState(
+        out_dir=str(out),
+        run_id=run_id,
+        spec_hash=str(start.get("spec_hash")),
+        trainer_id=str(start.get("trainer")),
+        seed=int(start.get("seed", 0)),
+        data_source=start.get("data_source"),
+        target_steps=int(target) if isinstance(target, int) else 0,
+        step=int(last.get("step", 0)),
+        tokens=int(last.get("tokens", 0)),
+        # older files have no data position: at least every completed or dropped one was drawn
+        data_position=int(
+            last.get("data_position", int(last.get("completed", 0)) + int(last.get("dropped", 0)))
+        ),
+        time_s=float(last.get("time", 0.0) or 0.0),
+    )
 
 
 class _Tasks:
@@ -488,6 +576,7 @@ class Trainer:
         self._clock = clock
         self._out = out if out is not None else sys.stderr
         self.summary: dict[str, Any] | None = None
+        self.resumed: ResumeState | None = None  # note "resume"
 
     # ---- entry points ----------------------------------------------------------------------------
 
@@ -498,6 +587,8 @@ class Trainer:
     async def run(self) -> dict[str, Any]:
         """Run to the configured length and return the summary; everything is shut down in ``finally``."""
         cfg = self.config
+        if cfg.resume:  # a bad OUT fails here, before joining anything
+            self._adopt(read_resume_state(cfg.out_dir, run_id=cfg.run_id))
         self.say(f"trainer {self.trainer_id}: joining run {cfg.run_id!r} via {cfg.initial_peers[0]}")
         link = await SwarmLink.open(
             initial_peers=cfg.initial_peers,
@@ -515,6 +606,44 @@ class Trainer:
         finally:
             await link.close()
 
+    def _adopt(self, state: ResumeState) -> None:
+        self.resumed = state
+        if self.config.trainer_id is None:
+            self.trainer_id = state.trainer_id
+
+    def _check_resume(self, spec: RunSpec) -> None:
+        """Refuse a resume that would not continue the same run (note "resume"); writes nothing."""
+        cfg, state = self.config, self.resumed
+        assert state is not None
+        where = f"--resume {cfg.out_dir}"
+        if state.spec_hash != spec.spec_hash:
+            raise ConfigError(
+                f"{where} trained run {cfg.run_id!r} with spec {state.spec_hash}, but the run's spec is now "
+                f"{spec.spec_hash} (the run was set up again with another spec); a resume needs the same spec, "
+                "so train into a new --out instead"
+            )
+        if state.data_source != cfg.data.source:
+            raise ConfigError(
+                f"{where} read data from {state.data_source or 'the standard library'}, not "
+                f"{cfg.data.source or 'the standard library'} (--data); resume with the same --data, or use a new --out"
+            )
+        target = self._target_steps(spec)
+        if state.step >= target:
+            raise ConfigError(
+                f"{where} already reached step {state.step} of {target}: nothing is left to do; "
+                f"pass a larger --steps (or --tokens) to train further"
+            )
+
+    def _target_steps(self, spec: RunSpec) -> int:
+        cfg = self.config
+        if cfg.tokens is not None:
+            return math.ceil(math.ceil(cfg.tokens / spec.tokens_per_micro_batch) / spec.optimizer.accumulate)
+        if cfg.steps is not None:
+            return cfg.steps
+        if self.resumed is not None and self.resumed.target_steps > 0:
+            return self.resumed.target_steps
+        return 100
+
     # ---- the loop -------------------------------------------------------------------------------
 
     def _setup(self, link: SwarmLink, data: TokenData) -> None:
@@ -528,14 +657,11 @@ class Trainer:
         self.max_per_peer: list[int | None] = [None] * spec.num_stages
         self.cap_noted = False
         self.stage_events_seen: set[tuple[str, str]] = set()  # (peer, event id) already printed
-        if cfg.tokens is not None:
-            target_mbs = math.ceil(cfg.tokens / self.tokens_per_mb)
-            self.target_steps = math.ceil(target_mbs / self.accumulate)
-        else:
-            self.target_steps = cfg.steps if cfg.steps is not None else 100
+        self.target_steps = self._target_steps(spec)
         self.target_mbs = self.target_steps * self.accumulate
+        seed = cfg.seed if self.resumed is None else self.resumed.seed
         self.ledger = Ledger(tag=f"{self.trainer_id}.{secrets.token_hex(3)}", max_attempts=cfg.max_attempts)
-        self.router = Router(cfg.routing, clock=self._clock, rng=random.Random(cfg.seed))
+        self.router = Router(cfg.routing, clock=self._clock, rng=random.Random(seed))
         live = cfg.liveness
         self.liveness = Liveness(live)  # note "failure detection"
         self.rtt = RttEstimator(initial_s=live.initial_rto_s, min_s=live.min_rto_s, max_s=live.max_rto_s)
@@ -543,7 +669,8 @@ class Trainer:
         self.dead: dict[str, float] = {}  # peer found dead -> when (kept out of routes for dead_hold_s)
         self.cancels: dict[str, list[str]] = defaultdict(list)  # peer -> closed attempts to cancel there
         self.detected: list[dict[str, Any]] = []  # peers found dead: when and how (benchmarks read it)
-        self.stream = data.stream(spec.micro_batch_size, seed=cfg.seed)
+        self.stream = data.stream(spec.micro_batch_size, seed=seed)
+        self.data_position = 0  # micro-batches drawn from the stream (note "resume")
         self.stages: list[dict[str, PeerRecord]] = [{} for _ in range(spec.num_stages)]
         self.tasks = _Tasks()
         self.wake = asyncio.Event()
@@ -564,6 +691,15 @@ class Trainer:
         self.last_wait_msg = -math.inf
         self.started = self._clock()
         self.first_send: float | None = None
+        self.tokens_before = 0  # tokens of earlier sessions (note "resume"): not in this session's rate
+        if self.resumed is not None:
+            st = self.resumed
+            self.step, self.tokens_done, self.tokens_before = st.step, st.tokens, st.tokens
+            self.completed_train = st.step * self.accumulate
+            self.started -= st.time_s  # record times continue from the earlier session's
+            for _ in range(st.data_position):  # the same data stream, from where it stopped
+                next(self.stream)
+            self.data_position = st.data_position
         link.on_report = self._on_report
         link.on_heard = self._heard
         # wire-byte estimate for deadlines: fp32 activation + gradient per token on each link
@@ -574,10 +710,20 @@ class Trainer:
 
     async def run_on(self, link: SwarmLink, data: TokenData) -> dict[str, Any]:
         """Train over an already open ``link`` (the caller closes it) with ``data``; returns the summary."""
-        self._setup(link, data)
         cfg = self.config
-        if self.writer is not None:
+        if cfg.resume:
+            if self.resumed is None:
+                self._adopt(read_resume_state(cfg.out_dir, run_id=cfg.run_id))
+            self._check_resume(link.spec)
+            metrics = Path(cfg.out_dir, "metrics.jsonl")
+            if metrics.read_bytes()[-1:] not in (b"", b"\n"):
+                with open(metrics, "a", encoding="utf-8") as f:
+                    f.write("\n")  # the killed trainer's last line was cut: keep ours apart
+        elif cfg.out_dir:
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
             Path(cfg.out_dir, "metrics.jsonl").write_text("")  # this run's records only
+        self._setup(link, data)
+        resumed = self.resumed
         self._event(
             "start",
             run_id=self.spec.run_id,
@@ -585,7 +731,15 @@ class Trainer:
             trainer=self.trainer_id,
             target_steps=self.target_steps,
             mode=self.spec.optimizer.mode,
+            seed=cfg.seed if resumed is None else resumed.seed,
+            data_source=cfg.data.source,
+            **({} if resumed is None else {"resumed_step": resumed.step, "resumed_tokens": resumed.tokens}),
         )
+        if resumed is not None:
+            self.say(
+                f"resuming at step {resumed.step}/{self.target_steps} ({resumed.tokens} tokens, data position "
+                f"{resumed.data_position}); appending to {Path(cfg.out_dir, 'metrics.jsonl')}"
+            )
         interrupted = True
         try:
             self.stages = await link.stage_records()
@@ -701,6 +855,7 @@ class Trainer:
         if not open_new or self._train_quota() <= 0:
             return None
         tokens, targets = next(self.stream)  # (B, T), (B, T)
+        self.data_position += 1
         data = {"tokens": tokens, "targets": targets, "avoid": set()}
         if self.sync:
             data["window"] = (
@@ -1063,6 +1218,7 @@ class Trainer:
             tokens_per_s=self._tokens_per_s(now),
             step_micro_batches=cur.completed,
         )
+        rec["data_position"] = self.data_position  # note "resume"
         if self.writer is not None:
             self.writer.write(rec)
         if self.sinks is not None:
@@ -1199,7 +1355,7 @@ class Trainer:
     def _tokens_per_s(self, now: float) -> float:
         if self.first_send is None or now <= self.first_send:
             return 0.0
-        return self.tokens_done / (now - self.first_send)
+        return (self.tokens_done - self.tokens_before) / (now - self.first_send)
 
     def _show(self) -> None:
         if self.progress is None:

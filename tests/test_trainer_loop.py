@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from peer.protocol import Report
-from swarm.data import TokenData
-from swarm.errors import PeerFailure, StageUnavailableError
+from swarm.data import DataConfig, TokenData
+from swarm.errors import ConfigError, PeerFailure, StageUnavailableError
 from swarm.liveness import LivenessConfig
 from swarm.metrics import read_metrics
 from swarm.records import PeerRecord
 from swarm.routing import RoutingConfig
 from swarm.spec import RunSpec
-from swarm.trainer import Trainer, TrainerConfig, classify_failure, service_seconds
+from swarm.trainer import Trainer, TrainerConfig, classify_failure, read_resume_state, service_seconds
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
@@ -53,6 +53,9 @@ class Progress:
     def publish_progress(self, trainer_id, tokens, steps, loss, *, tokens_per_s=0.0) -> bool:
         self.calls.append((trainer_id, tokens, steps, loss))
         return True
+
+    def events(self) -> list:  # stage events (swarm/keeper.py): none in a simulated swarm
+        return []
 
 
 class SimSwarm:
@@ -84,6 +87,7 @@ class SimSwarm:
         self.probes: list[str] = []  # peers probed, in order
         self.cancelled: dict[str, list[str]] = {}  # peer -> mb_ids the trainer cancelled there
         self.on_heard = lambda peer: None
+        self.sent_tokens: list[torch.Tensor] = []  # token ids of every training attempt, in order
         self._tasks: set[asyncio.Task] = set()
 
     async def stage_records(self) -> list[dict[str, PeerRecord]]:
@@ -109,6 +113,8 @@ class SimSwarm:
         self, *, route, mb_id, mode, tokens, targets, timeout_s, counted_from=-1, window=-1
     ) -> dict:
         self.counted_from[mb_id] = counted_from
+        if mode == "train":
+            self.sent_tokens.append(tokens.clone())
         assert tokens.shape == (self.spec.micro_batch_size, self.spec.model.seq_len)
         if route[0] in self.dead:
             raise PeerFailure("connection refused", peer=route[0], reason="unreachable")
@@ -500,3 +506,112 @@ def test_sync_mode_does_not_stall_when_a_peer_dies_with_its_window(tmp_path):
     summary = kill_when_holding(trainer, sim, spec, pid("doomed"), n=1)
     assert summary["steps"] == 4 and summary["micro_batches"]["completed"] == 12
     assert set(summary["micro_batches"]["failures_by_reason"]) == {"unreachable"}
+
+
+# ---- resume (note "resume" in swarm/trainer.py) -------------------------------------------------
+
+
+def killed_at(trainer: Trainer, sim: SimSwarm, spec: RunSpec, step: int) -> None:
+    """Run ``trainer`` and stop it abruptly once it reached ``step`` (its task is cancelled)."""
+
+    async def main():
+        task = asyncio.get_running_loop().create_task(trainer.run_on(sim, data_for(spec)))
+        try:
+            while getattr(trainer, "step", 0) < step:
+                await asyncio.sleep(0.002)
+            while not task.done():  # asyncio.wait_for of Python < 3.12 may swallow one cancellation
+                task.cancel()
+                await asyncio.sleep(0.01)
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            await sim.close()
+
+    asyncio.run(main())
+
+
+def test_resume_continues_steps_tokens_data_and_appends_to_the_metrics(tmp_path):
+    spec = make_spec(accumulate=2)
+    first = SimSwarm(spec, {0: ["a0"], 1: ["a1"]}, hop_s=0.03)  # slow enough to stop it mid-run
+    trainer = Trainer(config(tmp_path, steps=10, max_inflight=2, seed=7, trainer_id="alice"))
+    killed_at(trainer, first, spec, 4)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"type": "step", "step": 9')  # the kill cut a line in half
+    state = read_resume_state(str(tmp_path), run_id="sim")
+    assert (state.trainer_id, state.seed, state.target_steps) == ("alice", 7, 10)
+    assert 4 <= state.step < 10 and state.data_position >= 2 * state.step
+
+    second = SimSwarm(spec, {0: ["a0"], 1: ["a1"]})
+    summary = run(Trainer(config(tmp_path, max_inflight=2, resume=True)), second, spec)  # target: 10 again
+    steps = read_metrics(tmp_path / "metrics.jsonl", "step")
+    assert [r["step"] for r in steps] == list(range(1, 11))  # continued, not restarted or duplicated
+    assert steps[-1]["tokens"] == 10 * 2 * spec.tokens_per_micro_batch
+    assert summary["steps"] == 10 and summary["trainer_id"] == "alice"
+    starts = [e for e in read_metrics(tmp_path / "metrics.jsonl", "event") if e["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["resumed_step"] == state.step and starts[1]["trainer"] == "alice"
+    # the data stream goes on where it stopped: the resumed trainer's first micro-batch is draw number P
+    stream = data_for(spec).stream(spec.micro_batch_size, seed=7)
+    for _ in range(state.data_position):
+        next(stream)
+    assert torch.equal(second.sent_tokens[0], next(stream)[0])
+    assert steps[-1]["time"] >= steps[state.step - 1]["time"]
+
+
+def test_resume_with_more_steps_trains_to_the_new_total(tmp_path):
+    spec = make_spec()
+    run(Trainer(config(tmp_path, steps=3, max_inflight=2)), SimSwarm(spec, {0: ["a"], 1: ["b"]}), spec)
+    run(
+        Trainer(config(tmp_path, steps=5, max_inflight=2, resume=True)),
+        SimSwarm(spec, {0: ["a"], 1: ["b"]}),
+        spec,
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl", "step")] == [1, 2, 3, 4, 5]
+
+
+def _files(path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())} if path.exists() else {}
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("missing", "no such directory"),
+        ("empty", "holds no trainer start record"),
+        ("other_run", "was written by a trainer of run 'elsewhere'"),
+        ("other_spec", "but the run's spec is now"),
+        ("other_data", "read data from"),
+        ("finished", "nothing is left to do"),
+    ],
+)
+def test_a_bad_resume_directory_is_refused_and_nothing_changes(tmp_path, case, match):
+    spec = make_spec()
+    out = tmp_path / "out"
+    if case != "missing":
+        out.mkdir()
+    if case in ("other_run", "other_spec", "other_data", "finished"):
+        old = make_spec(accumulate=2) if case == "other_spec" else spec
+        if case == "other_run":
+            old = RunSpec.from_dict(spec.to_dict() | {"run_id": "elsewhere"})
+        cfg = config(out, steps=2, max_inflight=2, run_id=old.run_id)
+        run(Trainer(cfg), SimSwarm(old, {0: ["a"], 1: ["b"]}), old)
+    before = _files(out)
+    kw = {"data": DataConfig(source=str(tmp_path))}
+    cfg = config(out, steps=2, max_inflight=2, resume=True, **(kw if case == "other_data" else {}))
+    with pytest.raises(ConfigError, match=match):
+        run(Trainer(cfg), SimSwarm(spec, {0: ["a"], 1: ["b"]}), spec)
+    assert _files(out) == before
+
+
+def test_the_train_command_refuses_a_resume_that_contradicts_its_directory(tmp_path, capsys):
+    from swarm.cli import main
+
+    spec = make_spec()
+    run(
+        Trainer(config(tmp_path, steps=2, max_inflight=2, seed=3)), SimSwarm(spec, {0: ["a"], 1: ["b"]}), spec
+    )
+    base = ["train", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/" + pid("boot"), "--run", "sim"]
+    assert main([*base, "--resume", str(tmp_path), "--out", str(tmp_path / "elsewhere")]) == 1
+    assert "name different directories" in capsys.readouterr().err
+    assert main([*base, "--resume", str(tmp_path), "--seed", "4"]) == 1
+    assert "differs from the seed 3" in capsys.readouterr().err
+    assert main([*base, "--resume", str(tmp_path / "nope")]) == 1
+    assert "no such directory" in capsys.readouterr().err

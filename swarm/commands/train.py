@@ -5,6 +5,12 @@
 
 Metrics go to ``OUT/metrics.jsonl`` (default ``runs/RUN``), with ``loss.png`` and ``summary.json``
 at the end. Several trainers may feed one run at once (give each its own ``--seed``).
+
+A trainer that was killed (or stopped) continues where it left off with ``--resume OUT``: the same
+step and token counts, the same data stream from where it stopped, the same trainer id; the metrics
+file is appended to. ``--steps``/``--tokens`` are totals (default: the target it had).
+
+    swarm train --initial-peers ... --run tiny --resume runs/tiny
 """
 
 from __future__ import annotations
@@ -51,8 +57,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--eval-every", type=int, default=0, metavar="N", help="held-out loss every N steps (0 = never)"
     )
-    p.add_argument("--seed", type=int, default=0, help="data sampling and routing seed (default 0)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="data sampling and routing seed (default 0; on --resume, the run's)",
+    )
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/RUN)")
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="OUT",
+        help="continue the trainer whose output directory is OUT (its step, tokens, data position, metrics)",
+    )
     p.add_argument("--trainer-id", default=None, metavar="NAME", help="name shown by `swarm status`")
     p.add_argument(
         "--host-maddrs",
@@ -77,7 +94,23 @@ def config_from_args(args: argparse.Namespace):
     """The ``TrainerConfig`` these flags describe (raises ``ConfigError`` on bad values)."""
     from swarm.auth import load_secret
     from swarm.data import DataConfig
-    from swarm.trainer import TrainerConfig
+    from swarm.errors import ConfigError
+    from swarm.trainer import TrainerConfig, read_resume_state
+
+    out = args.out if args.out is not None else os.path.join("runs", args.run)
+    if args.resume is not None:
+        if args.out is not None and os.path.abspath(args.out) != os.path.abspath(args.resume):
+            raise ConfigError(
+                f"--out {args.out} and --resume {args.resume} name different directories; a resumed trainer "
+                "writes where it wrote before: drop --out"
+            )
+        state = read_resume_state(args.resume, run_id=args.run)  # reads only: a bad OUT fails here
+        if args.seed is not None and args.seed != state.seed:
+            raise ConfigError(
+                f"--seed {args.seed} differs from the seed {state.seed} of the trainer in {args.resume}; a "
+                "resume continues that trainer's data stream: drop --seed"
+            )
+        out = args.resume
 
     data_kwargs = {"source": args.data, "tokenizer": args.tokenizer}
     if args.max_data_bytes is not None:
@@ -91,8 +124,9 @@ def config_from_args(args: argparse.Namespace):
         max_inflight=args.max_inflight,
         max_attempts=args.max_attempts,
         eval_every=args.eval_every,
-        seed=args.seed,
-        out_dir=args.out if args.out is not None else os.path.join("runs", args.run),
+        seed=args.seed if args.seed is not None else 0,
+        out_dir=out,
+        resume=args.resume is not None,
         trainer_id=args.trainer_id,
         host_maddrs=tuple(args.host_maddrs),
         quiet=args.quiet,
