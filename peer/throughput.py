@@ -33,6 +33,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (peers of one machine may then lose each other's figure)
+    fcntl = None  # type: ignore[assignment]
+
 from swarm.model import autocast_dtype, build_stage, lm_loss
 from swarm.spec import RunSpec
 
@@ -137,15 +142,20 @@ def _read_cache(cache_file: Path) -> dict[str, float]:
 
 
 def _write_cache(path: Path, key: str, value: float) -> None:
+    """Read-modify-write of one key under an exclusive lock: peers of one machine that stop together
+    would otherwise overwrite each other's figures."""
     cache_file = path / "throughput.json"
-    cache = _read_cache(cache_file)
-    cache[key] = value
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path)
-        with os.fdopen(fd, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, cache_file)
+        with open(path / ".throughput.lock", "a") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            cache = _read_cache(cache_file)
+            cache[key] = value
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path)
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f)
+            os.replace(tmp, cache_file)
     except OSError as e:  # a read-only home must not stop a peer
         logger.warning("could not cache the throughput measurement in %s: %s", cache_file, e)
 

@@ -138,3 +138,18 @@ def test_an_idle_gap_does_not_let_one_window_replace_the_average():
 def test_served_rate_refuses_a_bad_seed():
     with pytest.raises(ValueError, match="seed"):
         ServedRate(0.0, now=0.0)
+
+
+def test_the_cache_keeps_every_stage_written_by_concurrent_peers(tmp_path):
+    import threading
+
+    from peer.throughput import _read_cache, _write_cache
+
+    threads = [
+        threading.Thread(target=_write_cache, args=(tmp_path, f"k{i}", float(i + 1))) for i in range(16)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert _read_cache(tmp_path / "throughput.json") == {f"k{i}": float(i + 1) for i in range(16)}
