@@ -142,7 +142,8 @@ class ConvergenceConfig:
     """Seconds between SIGKILLs of the churn run; None = no churn run."""
     churn_peers: int = 2
     max_inflight: int | None = None
-    """Micro-batches in flight (async); None = 2 x peers per stage x stages (the trainer's rule of thumb)."""
+    """Micro-batches in flight (async); None = the trainer's rule of thumb (``inflight_rule_of_thumb``:
+    max(2 x stages, peers))."""
     throughput_warmup_mb: int = 40
     """Micro-batches left out of the tokens/s median (start-up, warm-up)."""
     throughput_window_mb: int = 16
@@ -507,11 +508,11 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
     from swarm.metrics import read_metrics
     from swarm.network import DHTConfig
     from swarm.reference import held_out_loss
-    from swarm.trainer import Trainer, TrainerConfig
+    from swarm.trainer import Trainer, TrainerConfig, inflight_rule_of_thumb
 
     dcfg = _data_config(data)
     tokens = cfg.micro_batches * spec.tokens_per_micro_batch
-    inflight = cfg.max_inflight or 2 * job.peers * spec.num_stages
+    inflight = cfg.max_inflight or inflight_rule_of_thumb(spec.num_stages, job.peers * spec.num_stages)
     demo = Demo(
         DemoConfig(
             spec=spec,
@@ -1087,7 +1088,7 @@ def markdown_section(report: dict[str, Any]) -> str:
         f"tokens, {cfg['micro_batches'] // report['optimizer'].get('accumulate', 1)} optimizer steps per stage); "
         f"held-out loss of the final (for a swarm: exported) model on {cfg['eval_tokens']:,} held-out "
         f"tokens; seeds {seeds} (data stream and initial weights); in-flight micro-batches "
-        f"{cfg['max_inflight'] or '2 x peers per stage x stages'}; churn run: a SIGKILL every "
+        f"{cfg['max_inflight'] or 'max(2 x stages, peers)'}; churn run: a SIGKILL every "
         f"{cell(cfg['churn_every_s'], 'g')} s.",
         "",
         "Corpora: "

@@ -379,7 +379,7 @@ class Demo:
     # ---- training -------------------------------------------------------------------------------
 
     async def _train(self) -> dict[str, Any]:
-        from swarm.trainer import Trainer, TrainerConfig
+        from swarm.trainer import Trainer, TrainerConfig, inflight_rule_of_thumb
 
         cfg = self.config
         n_peers = self.spec.num_stages * cfg.peers_per_stage
@@ -389,7 +389,7 @@ class Demo:
                 initial_peers=(self.maddr,),
                 run_id=self.spec.run_id,
                 steps=cfg.steps,
-                max_inflight=cfg.max_inflight or 2 * n_peers,
+                max_inflight=cfg.max_inflight or inflight_rule_of_thumb(self.spec.num_stages, n_peers),
                 out_dir=str(self.out_dir),
                 eval_every=eval_every,
                 seed=cfg.seed,

@@ -615,3 +615,11 @@ def test_the_train_command_refuses_a_resume_that_contradicts_its_directory(tmp_p
     assert "differs from the seed 3" in capsys.readouterr().err
     assert main([*base, "--resume", str(tmp_path / "nope")]) == 1
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_inflight_rule_of_thumb_keeps_two_per_stage_and_every_peer_busy():
+    from swarm.trainer import inflight_rule_of_thumb
+
+    assert inflight_rule_of_thumb(2, 2) == 4  # one peer per stage: a transfer overlaps a computation
+    assert inflight_rule_of_thumb(2, 4) == 4  # 2 x 2: one per replica is enough
+    assert inflight_rule_of_thumb(2, 8) == 8  # 2 x 4: every replica busy
