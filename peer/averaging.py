@@ -38,6 +38,7 @@ import functools
 import hashlib
 import logging
 import multiprocessing as mp
+import re
 import signal
 import threading
 from collections.abc import Callable
@@ -104,11 +105,58 @@ class _AuthorizedSet:
         return any(raw[i : i + _DIGEST] == d for i in range(0, len(raw), _DIGEST))
 
 
+_DOWNLOAD_FAILED = re.compile(r"Failed to download state from (\S+) - ")
+_AVERAGER_LOGGER = "hivemind.averaging.averager"
+
+
+class DonorFailureFilter(logging.Filter):
+    """Makes hivemind's report of a state download that failed because the donor is gone (a SIGKILLed
+    peer whose donor declaration outlives it, a dropped connection, a stall) one WARNING line instead
+    of an ERROR with a traceback: the next donor is tried, so it is not an error of this peer. Any other
+    exception there (a bug, a malformed state) keeps its traceback. Installed on hivemind's averager
+    logger (in the averager process, where downloads run) by :func:`quiet_donor_failures`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = _DOWNLOAD_FAILED.match(str(record.msg)) if record.exc_info else None
+        if match is None or record.exc_info is None:
+            return True
+        error = record.exc_info[1]
+        if not isinstance(error, _donor_gone_errors()):
+            return True
+        record.msg = "could not download state from donor %s: %s%s (a departed or unreachable peer; trying the next donor)"
+        record.args = (match.group(1), type(error).__name__, f": {error}" if str(error) else "")
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return logging.getLogger(record.name).isEnabledFor(logging.WARNING)
+
+
+@functools.lru_cache(maxsize=1)
+def _donor_gone_errors() -> tuple[type[BaseException], ...]:
+    """What a dead, departed or unreachable donor raises in hivemind's download loop."""
+    errors: list[type[BaseException]] = [TimeoutError, ConnectionError, EOFError]
+    try:
+        from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+    except ImportError:  # pragma: no cover -- hivemind is a dependency; keep the filter usable without it
+        pass
+    else:
+        errors += [P2PDaemonError, P2PHandlerError]
+    return tuple(errors)
+
+
+def quiet_donor_failures() -> None:
+    """Install :class:`DonorFailureFilter` on hivemind's averager logger once (idempotent)."""
+    target = logging.getLogger(_AVERAGER_LOGGER)
+    if not any(isinstance(f, DonorFailureFilter) for f in target.filters):
+        target.addFilter(DonorFailureFilter())
+
+
 @functools.lru_cache(maxsize=1)
 def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); one class per process
     from hivemind.averaging import DecentralizedAverager
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
     from hivemind.proto import averaging_pb2
+
+    quiet_donor_failures()
 
     class _StateAverager(DecentralizedAverager):
         """A ``DecentralizedAverager`` whose downloadable state is the stage peer's full state."""
@@ -126,6 +174,7 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
             from swarm.processes import exit_with_parent
 
             exit_with_parent()
+            quiet_donor_failures()  # inherited from the parent when forked; spawned children need it too
             super().run()
 
         async def _set_group_size(self, size: int) -> None:  # runs in the averager process (via its pipe)
