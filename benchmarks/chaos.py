@@ -7,46 +7,62 @@ Run (from the repository root)::
     python -m benchmarks.chaos --render              # print the BENCHMARKS.md section from results/chaos.json
 
 What runs, per layout (``swarm.demo.Demo`` on loopback: a bootstrap with a keeper, ``swarm peer``
-processes, a ``Trainer`` in this process):
+processes; the trainer is a process of its own, ``--trainer-worker``, so that it can be SIGKILLed):
 
 1. a fault-free run of ``--steps`` trainer steps, then the held-out loss;
 2. the same run with chaos: every ``--kill-every-s`` seconds (jittered) one random peer of a stage
    that still has a live stage-mate is killed with SIGKILL (the peer process only, as a crash would:
    its hivemind DHT process, averager and p2pd must exit by themselves) and a fresh peer is started
-   for its stage; once, a third of the way through (once the keeper holds a snapshot), *every* replica of the last stage is killed at once and two
-   fresh peers are started: they find no live replica and restore the keeper's snapshot.
+   for its stage; once, a third of the way through (once the keeper holds a snapshot), *every* replica
+   of the last stage is killed at once and two fresh peers are started: they find no live replica and
+   restore the keeper's snapshot; once, half-way, the *trainer* is SIGKILLed and a new trainer process
+   continues it with ``TrainerConfig(resume=True)`` (what ``swarm train --resume OUT`` builds). No peer
+   is killed while the resumed trainer has not completed a micro-batch yet.
 
-Figures (each from the trainer's metrics file, its events and the run's DHT records):
+Figures (each from the trainer's metrics file, its events, the peers' logs and the run's DHT records;
+times on the machine's monotonic clock, which the trainer processes share):
 
 - longest stall: the longest time between two consecutive completed trainer steps after the first
-  (a step completes ``accumulate`` micro-batches; this bounds the time without a completed micro-batch);
+  (a step completes ``accumulate`` micro-batches; this bounds the time without a completed micro-batch),
+  not counting the gap across the trainer kill (reported on its own);
 - kill to re-send: for each killed peer, the time from the SIGKILL to each of its micro-batches'
   failure event (the trainer re-sends a micro-batch right there; median and max over micro-batches);
 - micro-batches dropped (given up after ``max_attempts``), attempts failed;
 - training lost: stage steps rolled back by the wipe (``StageEvent.lost_versions``), in tokens;
-- processes left behind: live processes of a killed peer's process group 10 s after its SIGKILL, and
-  of every group after the demo shut down;
+- processes left behind: live processes of a killed peer's (or trainer's) process group 10 s after its
+  SIGKILL, and of every group after the demo shut down;
+- trainer kill: the step it was killed at and the step and tokens the resumed trainer continued from,
+  the time from the kill to the resumed trainer's first completed micro-batch (and to its setup:
+  process start, imports, DHT join), stash entries the peers dropped for the dead trainer and when
+  (their logs), stash entries left at the end and stash expiries (the peers' stop lines);
 - held-out loss of the chaos run vs the fault-free run at equal tokens.
 
-Not measured yet: a trainer kill + ``--resume`` (the trainer's resume is not in this tree yet).
+Replacement peers are recorded with how long they took to come online, or why they did not (a
+replacement still starting when the run ends is recorded as pending, with its log's tail);
+``--work-dir`` keeps every log.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import random
+import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
+REPO = Path(__file__).resolve().parent.parent
 
 SPEC = {
     "run_id": "chaos",
@@ -81,24 +97,105 @@ def make_demo(spec, out: Path, *, snapshot_interval_s: float):  # type: ignore[n
     )
 
 
-def make_trainer(demo, out: Path, steps: int):  # type: ignore[no-untyped-def]
-    from swarm.trainer import Trainer, TrainerConfig
+def trainer_config(maddr: str, run_id: str, out: Path, steps: int, *, resume: bool):  # type: ignore[no-untyped-def]
+    """What the benchmark's trainer runs with (the resumed one too: ``resume=True`` is what
+    ``swarm train --resume OUT`` builds)."""
+    from swarm.trainer import TrainerConfig
 
-    return Trainer(
-        TrainerConfig(
-            initial_peers=(demo.maddr,),
-            run_id=demo.spec.run_id,
-            steps=steps,
-            out_dir=str(out),
-            max_inflight=4,
-            eval_every=steps,
-            eval_batches=4,
-            seed=0,
-            quiet=True,
-            refresh_every_s=0.5,
-            max_attempts=8,
+    return TrainerConfig(
+        initial_peers=(maddr,),
+        run_id=run_id,
+        steps=steps,
+        out_dir=str(out),
+        max_inflight=4,
+        eval_every=steps,
+        eval_batches=4,
+        seed=0,
+        quiet=True,
+        refresh_every_s=0.5,
+        max_attempts=8,
+        resume=resume,
+    )
+
+
+def trainer_worker(config_path: str) -> int:
+    """``--trainer-worker FILE``: one trainer process (SIGKILLed and resumed by the chaos run).
+
+    A ``Trainer`` that also writes two events the benchmark reads: ``bench_clock`` (this session's
+    ``started``, on the machine-wide monotonic clock: a record's time + started = when it happened, and
+    its p2p peer id) and ``first_completed`` (when this session's first training micro-batch completed)."""
+    from swarm.trainer import Trainer
+
+    c = json.loads(Path(config_path).read_text())
+
+    class BenchTrainer(Trainer):
+        def _setup(self, link, data) -> None:  # type: ignore[no-untyped-def]
+            super()._setup(link, data)
+            self._first_done = False
+            self._event(
+                "bench_clock",
+                started=self.started,
+                monotonic=self._clock(),
+                peer_id=link.peer_id,
+                pid=os.getpid(),
+            )
+
+        def _completed(self, attempt, mb) -> None:  # type: ignore[no-untyped-def]
+            super()._completed(attempt, mb)
+            if mb.kind == "train" and not self._first_done:
+                self._first_done = True
+                self._event("first_completed", monotonic=self._clock(), step=self.step)
+
+    config = trainer_config(c["maddr"], c["run_id"], Path(c["out"]), c["steps"], resume=c["resume"])
+    summary = BenchTrainer(config).train()
+    return 0 if summary.get("micro_batches", {}).get("completed", 0) > 0 else 1
+
+
+@dataclass
+class TrainerProcess:
+    popen: subprocess.Popen
+    log_file: Any
+    spawned: float  # monotonic
+    resume: bool
+    killed: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def spawn_trainer(demo, out: Path, steps: int, *, resume: bool) -> TrainerProcess:  # type: ignore[no-untyped-def]
+    """Start the trainer as its own process (its own process group, like a peer)."""
+    from swarm.network import SOCKET_PREFIX_ENV
+
+    tag = "resume" if resume else "first"
+    cfg_path = out.parent / f"{out.name}-{tag}.json"
+    cfg_path.write_text(
+        json.dumps(
+            {
+                "maddr": demo.maddr,
+                "run_id": demo.spec.run_id,
+                "out": str(out),
+                "steps": steps,
+                "resume": resume,
+            }
         )
     )
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env[SOCKET_PREFIX_ENV] = demo.socket_prefix  # what a SIGKILL leaves, demo.shutdown removes
+    env.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
+    log_file = open(out.parent / f"{out.name}-{tag}.log", "wb")  # noqa: SIM115 (closed at the end)
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.chaos", "--trainer-worker", str(cfg_path)],
+        cwd=str(REPO),
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    demo.pgids.append(popen.pid)  # demo.leftovers() and demo.shutdown() cover the trainer too
+    return TrainerProcess(popen=popen, log_file=log_file, spawned=time.monotonic(), resume=resume)
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -118,17 +215,52 @@ def group_alive(pgid: int) -> list[int]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a metrics file; a line a SIGKILLed trainer left half-written is skipped."""
+    out = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
 
 
-def final_eval(records: list[dict[str, Any]]) -> float | None:
+def with_monotonic(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each record with ``mono``: when it happened on the machine's monotonic clock (a resumed session's
+    record times continue the earlier session's, so each session's ``bench_clock`` gives its base)."""
+    base = None
+    out = []
+    for r in records:
+        if r.get("type") == "event" and r.get("event") == "bench_clock":
+            base = r["started"]
+        if base is not None and isinstance(r.get("time"), (int, float)):
+            out.append(dict(r, mono=base + r["time"]))
+    return out
+
+
+def current_step(path: Path) -> int:
+    steps = [r["step"] for r in read_jsonl(path) if r.get("type") == "step"]
+    return steps[-1] if steps else 0
+
+
+def final_eval(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     evals = [r for r in records if r.get("type") == "eval"]
-    return evals[-1]["eval_loss"] if evals else None
+    return evals[-1] if evals else None
 
 
-def longest_stall(records: list[dict[str, Any]]) -> float:
-    times = [r["time"] for r in records if r.get("type") == "step"]
-    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+def stalls(records: list[dict[str, Any]], *, skip: list[float] = ()) -> tuple[float, float | None]:
+    """The longest time between two consecutive completed trainer steps (monotonic), leaving out the
+    gaps that contain a time of ``skip`` (a trainer kill); and the longest of those left out."""
+    times = [r["mono"] for r in records if r.get("type") == "step"]
+    kept, skipped = [], []
+    for a, b in zip(times, times[1:], strict=False):
+        (skipped if any(a <= t <= b for t in skip) else kept).append(b - a)
+    return max(kept, default=0.0), max(skipped) if skipped else None
 
 
 def resend_latencies(kills: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[float]:
@@ -137,10 +269,53 @@ def resend_latencies(kills: list[dict[str, Any]], records: list[dict[str, Any]])
     out = []
     for k in kills:
         later = [
-            f["time"] - k["time"] for f in failures if f.get("peer") == k["peer"] and f["time"] >= k["time"]
+            f["mono"] - k["mono"] for f in failures if f.get("peer") == k["peer"] and f["mono"] >= k["mono"]
         ]
         out.extend(later)
     return out
+
+
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_DROPPED = re.compile(r"trainer (\S+): dropped (\d+) stashed micro-batch")
+_STOPPING = re.compile(r"peer \S+ stopping: stash (\d+), counters (\{.*\})")
+
+
+def peer_log_figures(logs: Path, dead_trainer: str | None, killed_at_wall: float | None) -> dict[str, Any]:
+    """From the peers' logs: stash entries they dropped for the dead trainer (and when, after its kill),
+    and what their stop lines say (stash entries left at the end, stash expiries)."""
+    drops, left, expired, gone, stopped = [], 0, 0, 0, 0
+    for path in sorted(logs.glob("peer-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            m = _DROPPED.search(line)
+            if m and dead_trainer is not None and m.group(1) == dead_trainer:
+                t = _LOG_TIME.match(line)
+                when = (
+                    datetime.datetime.strptime(t.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                    if t and killed_at_wall is not None
+                    else None
+                )
+                drops.append(
+                    {
+                        "peer_log": path.name,
+                        "dropped": int(m.group(2)),
+                        "after_kill_s": when - killed_at_wall if when else None,
+                    }
+                )
+            m = _STOPPING.search(line)
+            if m:
+                stopped += 1
+                left += int(m.group(1))
+                counters = json.loads(m.group(2))
+                expired += counters.get("expired", 0)
+                gone += counters.get("trainer_gone", 0)
+    return {
+        "dropped_for_dead_trainer": sum(d["dropped"] for d in drops),
+        "drops": drops,
+        "peers_stopped": stopped,
+        "stash_left_at_end": left,
+        "stash_expired": expired,
+        "trainer_gone_total": gone,
+    }
 
 
 def run_layout(
@@ -154,31 +329,59 @@ def run_layout(
 
     # 1. fault-free
     clean = make_demo(spec, root / f"s{stages}-clean", snapshot_interval_s=snapshot_interval_s)
+    clean_out = root / f"s{stages}-clean-train"
+    clean_out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
         clean.start()
-        clean_summary = make_trainer(clean, root / f"s{stages}-clean-train", steps).train()
+        proc = spawn_trainer(clean, clean_out, steps, resume=False)
+        rc = proc.popen.wait(timeout=1800)
+        proc.log_file.close()
     finally:
         clean.shutdown()
+    clean_records = with_monotonic(read_jsonl(clean_out / "metrics.jsonl"))
+    clean_eval = final_eval(clean_records)
     result["clean"] = {
         "wall_s": time.monotonic() - t0,
-        "micro_batches": clean_summary["micro_batches"],
-        "eval_loss": final_eval(read_jsonl(root / f"s{stages}-clean-train" / "metrics.jsonl")),
+        "trainer_rc": rc,
+        "micro_batches": json.loads((clean_out / "summary.json").read_text())["micro_batches"],
+        "eval_loss": clean_eval["eval_loss"] if clean_eval else None,
+        "eval_tokens": clean_eval["tokens"] if clean_eval else None,
         "leftovers": len(clean.leftovers()),
     }
     print(f"[s{stages}] clean: {result['clean']}", flush=True)
 
     # 2. chaos
     demo = make_demo(spec, root / f"s{stages}-chaos", snapshot_interval_s=snapshot_interval_s)
+    out = root / f"s{stages}-chaos-train"
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
     kills: list[dict[str, Any]] = []
     orphans: list[dict[str, Any]] = []
     replacements: list[dict[str, Any]] = []  # every fresh peer: online, or why not
-    fresh: list[asyncio.Task] = []
+    fresh: list[asyncio.Task] = []  # orphan watches
+    replacing: list[asyncio.Task] = []  # replacement peers coming online
+    trainers: list[TrainerProcess] = []
+    trainer_kill: dict[str, Any] = {}
     t0 = time.monotonic()
     try:
         demo.start()
-        trainer = make_trainer(demo, root / f"s{stages}-chaos-train", steps)
+        trainers.append(spawn_trainer(demo, out, steps, resume=False))
         wipe_stage = stages - 1
+
+        def trainer_done() -> bool:
+            last = trainers[-1]
+            return not last.killed and last.popen.poll() is not None
+
+        def resumed_and_running() -> bool:
+            """No trainer kill yet, or the resumed trainer has completed a micro-batch."""
+            if not trainer_kill:
+                return True
+            return any(
+                r.get("event") == "first_completed" and r["monotonic"] > trainer_kill["mono"]
+                for r in read_jsonl(metrics)
+                if r.get("type") == "event"
+            )
 
         def live(stage: int) -> list:
             return [
@@ -192,50 +395,72 @@ def run_layout(
                 victim.pid, signal.SIGKILL
             )  # the peer process only: its children must follow by themselves
             victim.killed = True
-            now = trainer._clock() - trainer.started
             kills.append(
                 {
-                    "time": now,
+                    "mono": time.monotonic(),
                     "stage": victim.stage,
                     "peer": victim.peer_id,
                     "what": what,
-                    "step": trainer.step,
+                    "step": current_step(metrics),
                 }
             )
             await asyncio.to_thread(victim.popen.wait)
 
-        async def watch_orphans(victim) -> None:
+        async def watch_orphans(pgid: int, who: str) -> None:
             t = time.monotonic()
-            while group_alive(victim.pid) and time.monotonic() - t < 10.0:
+            while group_alive(pgid) and time.monotonic() - t < 10.0:
                 await asyncio.sleep(0.2)
             orphans.append(
-                {
-                    "peer": victim.peer_id,
-                    "left_after_10s": len(group_alive(victim.pid)),
-                    "gone_s": time.monotonic() - t,
-                }
+                {"who": who, "left_after_10s": len(group_alive(pgid)), "gone_s": time.monotonic() - t}
             )
             remove_stale_sockets(demo.socket_prefix)
 
         async def replace(stage: int, name: str) -> None:
             t = time.monotonic()
+            entry: dict[str, Any] = {"stage": stage, "name": name, "started": t}
+            replacements.append(entry)
+            proc = None
             try:
-                await demo.add_peer_async(stage, name=name)
-                replacements.append({"stage": stage, "online_s": time.monotonic() - t})
+                proc = demo._spawn_peer(stage, len(demo.peers), suffix=f"-{name}")
+                entry["log"] = str(proc.log_path)
+                await demo._await_online_async([proc])
+                entry["online_s"] = time.monotonic() - t
+            except asyncio.CancelledError:  # the run ended first: how long it had been starting, and where
+                entry["pending_s"] = time.monotonic() - t
+                if proc is not None:
+                    entry["log_tail"] = proc.log_tail(15)[-2000:]
+                raise
             except Exception as e:  # noqa: BLE001 -- a replacement that never came online is a result
-                replacements.append({"stage": stage, "error": f"{type(e).__name__}: {e}"[:500]})
+                entry["error"] = f"{type(e).__name__}: {e}"[:2000]
 
-        async def chaos(run: asyncio.Task) -> None:
-            while getattr(trainer, "started", None) is None:
-                await asyncio.sleep(0.1)
+        async def kill_trainer() -> None:
+            victim = trainers[-1]
+            victim.killed = True
+            trainer_kill.update(mono=time.monotonic(), wall=time.time(), step=current_step(metrics))
+            os.kill(victim.pid, signal.SIGKILL)  # the trainer process only, as a crash would
+            await asyncio.to_thread(victim.popen.wait)
+            fresh.append(asyncio.create_task(watch_orphans(victim.pid, "trainer")))
+            trainers.append(
+                spawn_trainer(demo, out, steps, resume=True)
+            )  # what `swarm train --resume OUT` runs
+
+        async def chaos() -> None:
+            while current_step(metrics) < 1 and not trainer_done():
+                await asyncio.sleep(0.2)
             wiped = False
-            while not run.done():
+            while not trainer_done():
                 await asyncio.sleep(kill_every_s * rng.uniform(0.7, 1.3))
-                if run.done():
+                if trainer_done():
                     return
+                step = current_step(metrics)
+                if not trainer_kill and step >= steps // 2:
+                    await kill_trainer()
+                    continue
+                if not resumed_and_running():
+                    continue  # the trainer is restarting: peer kills would have nothing to re-send
                 keeper = demo.boot.keeper
                 held = keeper.held[wipe_stage]
-                if not wiped and trainer.step >= steps // 3 and held is not None and held.version > 0:
+                if not wiped and step >= steps // 3 and held is not None and held.version > 0:
                     victims = live(wipe_stage)
                     if len(victims) < 2:
                         continue  # a replacement is still starting: wipe when the stage is whole again
@@ -243,42 +468,88 @@ def run_layout(
                     for v in victims:
                         await kill(v, "wipe")
                     for v in victims:
-                        fresh.append(asyncio.create_task(watch_orphans(v)))
-                        fresh.append(asyncio.create_task(replace(wipe_stage, f"w{len(kills)}")))
+                        fresh.append(asyncio.create_task(watch_orphans(v.pid, v.peer_id)))
+                        replacing.append(asyncio.create_task(replace(wipe_stage, f"w{len(kills)}")))
                     continue
                 choices = [s for s in range(stages) if len(live(s)) >= 2]
                 if not choices:
                     continue
                 victim = rng.choice(live(rng.choice(choices)))
                 await kill(victim, "single")
-                fresh.append(asyncio.create_task(watch_orphans(victim)))
-                fresh.append(asyncio.create_task(replace(victim.stage, f"f{len(kills)}")))
+                fresh.append(asyncio.create_task(watch_orphans(victim.pid, victim.peer_id)))
+                replacing.append(asyncio.create_task(replace(victim.stage, f"f{len(kills)}")))
 
-        async def main() -> dict:
-            run = asyncio.get_running_loop().create_task(trainer.run())
-            monkey = asyncio.get_running_loop().create_task(chaos(run))
+        async def main() -> int:
+            monkey = asyncio.get_running_loop().create_task(chaos())
+            deadline = time.monotonic() + 1800
             try:
-                return await asyncio.wait_for(asyncio.shield(run), timeout=1800)
+                while not trainer_done():
+                    if monkey.done() and monkey.exception() is not None:
+                        raise monkey.exception()  # a broken chaos loop must not pass silently
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the chaos run's trainer did not finish within 1800 s")
+                    await asyncio.sleep(0.2)
+                return trainers[-1].popen.returncode
             finally:
                 monkey.cancel()
                 await asyncio.gather(monkey, return_exceptions=True)
-                await asyncio.gather(*fresh, return_exceptions=True)
+                for task in replacing:  # replacements still starting: recorded as pending
+                    task.cancel()
+                await asyncio.gather(*fresh, *replacing, return_exceptions=True)
 
-        summary = asyncio.run(main())
+        rc = asyncio.run(main())
         events = demo.boot.membership.events()
     finally:
         demo.shutdown()
-    records = read_jsonl(root / f"s{stages}-chaos-train" / "metrics.jsonl")
+        for tp in trainers:
+            tp.log_file.close()
+    records = with_monotonic(read_jsonl(metrics))
+    clocks = [r for r in records if r.get("event") == "bench_clock"]
+    mono0 = clocks[0]["started"] if clocks else t0
+    for k in kills:
+        k["time"] = k["mono"] - mono0
     latencies = resend_latencies(kills, records)
+    longest, trainer_gap = stalls(records, skip=[trainer_kill["mono"]] if trainer_kill else [])
     # two fresh peers of the wiped stage may both report the same rollback: count each (stage, lost_from) once
     rollbacks = {(e.stage, e.lost_from): e for e in events if e.kind == "rollback"}
     lost_steps = sum(e.lost_versions or 0 for e in rollbacks.values())
+    summary = json.loads((out / "summary.json").read_text())
+    steps_recs = [r for r in records if r.get("type") == "step"]
+    if trainer_kill:
+        before = [r for r in steps_recs if r["mono"] < trainer_kill["mono"]]
+        starts = [r for r in records if r.get("event") == "start"]
+        resumed = starts[-1] if len(starts) > 1 else {}
+        firsts = [
+            r
+            for r in records
+            if r.get("event") == "first_completed" and r["monotonic"] > trainer_kill["mono"]
+        ]
+        last = before[-1] if before else {}
+        trainer_kill.update(
+            time=trainer_kill["mono"] - mono0,
+            last_step_before=last.get("step"),
+            last_tokens_before=last.get("tokens"),
+            last_data_position_before=last.get("data_position"),
+            dropped_before=last.get("dropped", 0),
+            resumed_step=resumed.get("resumed_step"),
+            resumed_tokens=resumed.get("resumed_tokens"),
+            restart_setup_s=(clocks[-1]["monotonic"] - trainer_kill["mono"]) if len(clocks) > 1 else None,
+            kill_to_first_completed_s=(firsts[0]["monotonic"] - trainer_kill["mono"]) if firsts else None,
+            outage_stall_s=trainer_gap,
+            peers=peer_log_figures(
+                demo.logs, clocks[0].get("peer_id") if clocks else None, trainer_kill["wall"]
+            ),
+        )
     mb = summary["micro_batches"]
+    final = final_eval(records)
     result["chaos"] = {
         "wall_s": time.monotonic() - t0,
+        "trainer_rc": rc,
         "kills": kills,
-        "micro_batches": mb,
-        "longest_stall_s": longest_stall(records),
+        "trainer_kill": trainer_kill,
+        "micro_batches": mb,  # of the resumed session (the killed one's: trainer_kill.dropped_before)
+        "dropped_total": mb.get("dropped", 0) + trainer_kill.get("dropped_before", 0),
+        "longest_stall_s": longest,
         "resend_s": {
             "count": len(latencies),
             "median": statistics.median(latencies) if latencies else None,
@@ -297,13 +568,18 @@ def run_layout(
         "lost_stage_steps": lost_steps,
         "lost_tokens": lost_steps * spec.optimizer.accumulate * spec.tokens_per_micro_batch,
         "orphans": orphans,
-        "replacements": replacements,
+        "replacements": [{k: v for k, v in r.items() if k != "started"} for r in replacements],
         "leftovers": len(demo.leftovers()),
-        "eval_loss": final_eval(records),
+        "eval_loss": final["eval_loss"] if final else None,
+        "eval_tokens": final["tokens"] if final else None,
     }
-    result["clean_stall_s"] = longest_stall(read_jsonl(root / f"s{stages}-clean-train" / "metrics.jsonl"))
-    print(f"[s{stages}] chaos: {json.dumps(result['chaos'], default=str)[:2000]}", flush=True)
+    result["clean_stall_s"] = stalls(clean_records)[0]
+    print(f"[s{stages}] chaos: {json.dumps(result['chaos'], default=str)[:3000]}", flush=True)
     return result
+
+
+def _fmt(v: float | None, unit: str = " s") -> str:
+    return "n/a" if v is None else f"{v:.1f}{unit}"
 
 
 def render(results: dict[str, Any]) -> str:
@@ -312,10 +588,11 @@ def render(results: dict[str, Any]) -> str:
         "",
         "`python -m benchmarks.chaos` (results in `benchmarks/results/chaos.json`): "
         f"{results['steps']} trainer steps, a random peer SIGKILLed every ~{results['kill_every_s']:.0f} s and "
-        "replaced, and once every replica of the last stage killed at once (the keeper's snapshot brings it back, "
-        f"snapshots every {results['snapshot_interval_s']:.0f} s); {results['machine']}.",
+        "replaced, once every replica of the last stage killed at once (the keeper's snapshot brings it back, "
+        f"snapshots every {results['snapshot_interval_s']:.0f} s), and once, half-way, the trainer SIGKILLed and "
+        f"continued with `--resume`; {results['machine']}.",
         "",
-        "| layout | kills | longest stall (clean) | kill to re-send, median / max | micro-batches dropped | "
+        "| layout | peer kills | longest stall (clean) | kill to re-send, median / max | micro-batches dropped | "
         "stage steps rolled back (tokens) | processes left (10 s after a kill / at the end) | held-out loss chaos vs clean |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -331,12 +608,38 @@ def render(results: dict[str, Any]) -> str:
             if k["eval_loss"] and c["eval_loss"]
             else "n/a"
         )
+        wipes = sum(1 for x in k["kills"] if x["what"] == "wipe")
+        kills = f"{len(k['kills'])}" + (f" ({wipes} in the wipe)" if wipes else " (no wipe)")
         lines.append(
-            f"| {r['stages']} x {r['peers_per_stage']} | {len(k['kills'])} | {k['longest_stall_s']:.1f} s "
-            f"({r['clean_stall_s']:.1f} s) | {resend} | {k['micro_batches']['dropped']} of "
-            f"{k['micro_batches']['opened']} | {k['lost_stage_steps']} ({k['lost_tokens']}) | {left} / "
+            f"| {r['stages']} x {r['peers_per_stage']} | {kills} | {k['longest_stall_s']:.1f} s "
+            f"({r['clean_stall_s']:.1f} s) | {resend} | {k.get('dropped_total', k['micro_batches']['dropped'])} of "
+            f"{r['steps'] * r['spec']['optimizer']['accumulate']} | {k['lost_stage_steps']} ({k['lost_tokens']}) | {left} / "
             f"{k['leftovers']} | {ratio} |"
         )
+    if any(r["chaos"].get("trainer_kill") for r in results["layouts"]):
+        lines += [
+            "",
+            "Trainer kill + resume (`Trainer` with `resume=True`, what `swarm train --resume OUT` runs):",
+            "",
+            "| layout | killed at step | resumed at step (tokens) | kill to first completed micro-batch (trainer back up) | "
+            "time without a step across it | stash entries peers dropped for the dead trainer (after the kill) | "
+            "stash left at the end / expired | trainer processes left 10 s after |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in results["layouts"]:
+            tk = r["chaos"].get("trainer_kill")
+            if not tk:
+                continue
+            peers = tk["peers"]
+            after = [d["after_kill_s"] for d in peers["drops"] if d["after_kill_s"] is not None]
+            when = f" ({min(after):.1f}-{max(after):.1f} s)" if after else ""
+            left = sum(o["left_after_10s"] for o in r["chaos"]["orphans"] if o["who"] == "trainer")
+            lines.append(
+                f"| {r['stages']} x {r['peers_per_stage']} | {tk['step']} (recorded {tk['last_step_before']}, "
+                f"{tk['last_tokens_before']} tokens) | {tk['resumed_step']} ({tk['resumed_tokens']}) | "
+                f"{_fmt(tk['kill_to_first_completed_s'])} ({_fmt(tk['restart_setup_s'])}) | {_fmt(tk['outage_stall_s'])} | "
+                f"{peers['dropped_for_dead_trainer']}{when} | {peers['stash_left_at_end']} / {peers['stash_expired']} | {left} |"
+            )
     return "\n".join(lines)
 
 
@@ -352,7 +655,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--work-dir", default=None, help="keep the runs' logs and metrics here (default: a temporary dir)"
     )
+    p.add_argument("--trainer-worker", default=None, metavar="FILE", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.trainer_worker:
+        return trainer_worker(args.trainer_worker)
     if args.render:
         print(render(json.loads(Path(args.out).read_text())))
         return 0

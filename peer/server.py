@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import random
 import re
@@ -547,6 +548,13 @@ class StagePeer:
         if self.state == "stopped":
             return
         was_serving = self.state in ("online", "joining", "leaving")
+        if self._compute is not None:  # one line of what this peer did (benchmarks read it from the log)
+            logger.info(
+                "peer %s stopping: stash %d, counters %s",
+                self.peer_id,
+                len(self._compute.stash),
+                json.dumps(self.counters, sort_keys=True),
+            )
         self.state = "leaving"
         if was_serving and self._membership is not None and self._compute is not None:
             with contextlib.suppress(SwarmError, OSError):
@@ -1264,6 +1272,7 @@ class StagePeer:
             ids = [e.mb_id for e in compute.stash if getattr(e.context, "trainer", None) == trainer]
         dropped = await asyncio.to_thread(lambda: sum(compute.drop(i) is not None for i in ids))
         self.counters["trainer_gone"] += dropped
+        logger.info("trainer %s: dropped %d stashed micro-batch(es) of it", trainer, dropped)
 
     async def _check_trainers(self) -> None:
         """Probe the trainers whose stash entries here have waited ``_TRAINER_QUIET_S`` without news."""
