@@ -184,6 +184,8 @@ def spawn_trainer(demo, out: Path, steps: int, *, resume: bool) -> TrainerProces
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env[SOCKET_PREFIX_ENV] = demo.socket_prefix  # what a SIGKILL leaves, demo.shutdown removes
     env.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
+    env.setdefault("OMP_NUM_THREADS", "1")  # the trainer computes no layers; the peers need the cores
+    env.setdefault("MKL_NUM_THREADS", "1")
     log_file = open(out.parent / f"{out.name}-{tag}.log", "wb")  # noqa: SIM115 (closed at the end)
     popen = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.chaos", "--trainer-worker", str(cfg_path)],
@@ -196,6 +198,14 @@ def spawn_trainer(demo, out: Path, steps: int, *, resume: bool) -> TrainerProces
     )
     demo.pgids.append(popen.pid)  # demo.leftovers() and demo.shutdown() cover the trainer too
     return TrainerProcess(popen=popen, log_file=log_file, spawned=time.monotonic(), resume=resume)
+
+
+def check_trainer(rc: int, out: Path) -> None:
+    """A trainer that failed is the benchmark's failure, with the end of its log."""
+    if rc != 0 or not (out / "summary.json").is_file():
+        logs = sorted(out.parent.glob(f"{out.name}-*.log"))
+        tail = "\n".join(logs[-1].read_text(errors="replace").splitlines()[-30:]) if logs else ""
+        raise RuntimeError(f"the trainer writing {out} exited with code {rc}; its log ends with:\n{tail}")
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -319,15 +329,40 @@ def peer_log_figures(logs: Path, dead_trainer: str | None, killed_at_wall: float
 
 
 def run_layout(
-    stages: int, *, steps: int, kill_every_s: float, snapshot_interval_s: float, seed: int, root: Path
+    stages: int,
+    *,
+    steps: int,
+    kill_every_s: float,
+    snapshot_interval_s: float,
+    seed: int,
+    root: Path,
+    clean_run: bool = True,
 ):
-    from swarm.processes import remove_stale_sockets
-
     rng = random.Random(seed)
     spec = make_spec(stages, f"chaos{stages}")
     result: dict[str, Any] = {"stages": stages, "peers_per_stage": 2, "steps": steps, "spec": spec.to_dict()}
 
-    # 1. fault-free
+    if clean_run:
+        result.update(
+            run_clean(spec, stages, steps=steps, snapshot_interval_s=snapshot_interval_s, root=root)
+        )
+    else:
+        result.update(clean=None, clean_stall_s=None)
+    result["chaos"] = run_chaos(
+        spec,
+        stages,
+        steps=steps,
+        kill_every_s=kill_every_s,
+        snapshot_interval_s=snapshot_interval_s,
+        rng=rng,
+        root=root,
+    )
+    print(f"[s{stages}] chaos: {json.dumps(result['chaos'], default=str)[:3000]}", flush=True)
+    return result
+
+
+def run_clean(spec, stages: int, *, steps: int, snapshot_interval_s: float, root: Path) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The fault-free run: ``{"clean": ..., "clean_stall_s": ...}``."""
     clean = make_demo(spec, root / f"s{stages}-clean", snapshot_interval_s=snapshot_interval_s)
     clean_out = root / f"s{stages}-clean-train"
     clean_out.mkdir(parents=True, exist_ok=True)
@@ -339,8 +374,10 @@ def run_layout(
         proc.log_file.close()
     finally:
         clean.shutdown()
+    check_trainer(rc, clean_out)
     clean_records = with_monotonic(read_jsonl(clean_out / "metrics.jsonl"))
     clean_eval = final_eval(clean_records)
+    result: dict[str, Any] = {}
     result["clean"] = {
         "wall_s": time.monotonic() - t0,
         "trainer_rc": rc,
@@ -349,9 +386,24 @@ def run_layout(
         "eval_tokens": clean_eval["tokens"] if clean_eval else None,
         "leftovers": len(clean.leftovers()),
     }
+    result["clean_stall_s"] = stalls(clean_records)[0]
     print(f"[s{stages}] clean: {result['clean']}", flush=True)
+    return result
 
-    # 2. chaos
+
+def run_chaos(  # type: ignore[no-untyped-def]
+    spec,
+    stages: int,
+    *,
+    steps: int,
+    kill_every_s: float,
+    snapshot_interval_s: float,
+    rng: random.Random,
+    root: Path,
+) -> dict[str, Any]:
+    """The run with peer kills, a stage wipe and a trainer kill + resume."""
+    from swarm.processes import remove_stale_sockets
+
     demo = make_demo(spec, root / f"s{stages}-chaos", snapshot_interval_s=snapshot_interval_s)
     out = root / f"s{stages}-chaos-train"
     out.mkdir(parents=True, exist_ok=True)
@@ -391,9 +443,8 @@ def run_layout(
             ]
 
         async def kill(victim, what: str) -> None:
-            os.kill(
-                victim.pid, signal.SIGKILL
-            )  # the peer process only: its children must follow by themselves
+            # the peer process only: its children must follow by themselves
+            os.kill(victim.pid, signal.SIGKILL)
             victim.killed = True
             kills.append(
                 {
@@ -440,9 +491,8 @@ def run_layout(
             os.kill(victim.pid, signal.SIGKILL)  # the trainer process only, as a crash would
             await asyncio.to_thread(victim.popen.wait)
             fresh.append(asyncio.create_task(watch_orphans(victim.pid, "trainer")))
-            trainers.append(
-                spawn_trainer(demo, out, steps, resume=True)
-            )  # what `swarm train --resume OUT` runs
+            # a new trainer process continues it: TrainerConfig(resume=True), what `swarm train --resume OUT` runs
+            trainers.append(spawn_trainer(demo, out, steps, resume=True))
 
         async def chaos() -> None:
             while current_step(metrics) < 1 and not trainer_done():
@@ -503,6 +553,7 @@ def run_layout(
         demo.shutdown()
         for tp in trainers:
             tp.log_file.close()
+    check_trainer(rc, out)
     records = with_monotonic(read_jsonl(metrics))
     clocks = [r for r in records if r.get("event") == "bench_clock"]
     mono0 = clocks[0]["started"] if clocks else t0
@@ -542,7 +593,7 @@ def run_layout(
         )
     mb = summary["micro_batches"]
     final = final_eval(records)
-    result["chaos"] = {
+    return {
         "wall_s": time.monotonic() - t0,
         "trainer_rc": rc,
         "kills": kills,
@@ -573,9 +624,6 @@ def run_layout(
         "eval_loss": final["eval_loss"] if final else None,
         "eval_tokens": final["tokens"] if final else None,
     }
-    result["clean_stall_s"] = stalls(clean_records)[0]
-    print(f"[s{stages}] chaos: {json.dumps(result['chaos'], default=str)[:3000]}", flush=True)
-    return result
 
 
 def _fmt(v: float | None, unit: str = " s") -> str:
@@ -597,7 +645,7 @@ def render(results: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results["layouts"]:
-        c, k = r["clean"], r["chaos"]
+        c, k = r["clean"] or {}, r["chaos"]
         rs = k["resend_s"]
         resend = (
             "n/a" if rs["median"] is None else f"{rs['median']:.1f} s / {rs['max']:.1f} s ({rs['count']})"
@@ -605,14 +653,14 @@ def render(results: dict[str, Any]) -> str:
         left = sum(o["left_after_10s"] for o in k["orphans"])
         ratio = (
             f"{k['eval_loss']:.3f} vs {c['eval_loss']:.3f} ({100 * (k['eval_loss'] / c['eval_loss'] - 1):+.1f}%)"
-            if k["eval_loss"] and c["eval_loss"]
+            if k["eval_loss"] and c.get("eval_loss")
             else "n/a"
         )
         wipes = sum(1 for x in k["kills"] if x["what"] == "wipe")
         kills = f"{len(k['kills'])}" + (f" ({wipes} in the wipe)" if wipes else " (no wipe)")
         lines.append(
             f"| {r['stages']} x {r['peers_per_stage']} | {kills} | {k['longest_stall_s']:.1f} s "
-            f"({r['clean_stall_s']:.1f} s) | {resend} | {k.get('dropped_total', k['micro_batches']['dropped'])} of "
+            f"({_fmt(r['clean_stall_s'])}) | {resend} | {k.get('dropped_total', k['micro_batches']['dropped'])} of "
             f"{r['steps'] * r['spec']['optimizer']['accumulate']} | {k['lost_stage_steps']} ({k['lost_tokens']}) | {left} / "
             f"{k['leftovers']} | {ratio} |"
         )
@@ -655,6 +703,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--work-dir", default=None, help="keep the runs' logs and metrics here (default: a temporary dir)"
     )
+    p.add_argument(
+        "--chaos-only",
+        action="store_true",
+        help="skip the fault-free runs (to look into the chaos run; no comparison)",
+    )
     p.add_argument("--trainer-worker", default=None, metavar="FILE", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trainer_worker:
@@ -688,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                     snapshot_interval_s=args.snapshot_interval_s,
                     seed=args.seed,
                     root=Path(tmp),
+                    clean_run=not args.chaos_only,
                 )
             )
             Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -134,6 +134,7 @@ class StagePeer:
         self._probing_trainers: set[str] = set()
         self._rate: ServedRate | None = None  # note "served throughput" (peer/throughput.py)
         self._fwd_s: OrderedDict[str, float] = OrderedDict()  # mb_id -> its forward task's seconds
+        self._started_at = time.monotonic()  # start() resets it: the startup lines count from there
 
     # ------------------------------------------------------------------------------ properties
 
@@ -205,6 +206,7 @@ class StagePeer:
 
         cfg = self.config
         self._loop = asyncio.get_running_loop()
+        self._started_at = time.monotonic()
         try:
             dht_cfg = DHTConfig(
                 initial_peers=cfg.initial_peers,
@@ -214,6 +216,7 @@ class StagePeer:
                 public=cfg.public,
             )
             self._dht = await asyncio.to_thread(start_dht, dht_cfg)
+            logger.info("DHT node up after %.1f s", time.monotonic() - self._started_at)
             self._membership = Membership(self._dht, cfg.run_id)
             warning = reachability_warning(
                 cfg.initial_peers, cfg.announce_maddrs or tuple(visible_maddrs(self._dht))
@@ -339,6 +342,12 @@ class StagePeer:
             min_matchmaking_time_s=self.config.averaging_matchmaking_s,
         )
         await asyncio.to_thread(self._averager.wait_ready, 30.0)
+        t_state = time.monotonic()
+        logger.info(
+            "stage %d built, averager ready after %.1f s; loading its state",
+            stage,
+            t_state - self._started_at,
+        )
         await self._refresh_authorized()
         records = await asyncio.to_thread(self._membership.stage_records, stage)
         others = [r for pid, r in records.items() if pid != self.peer_id and r.state == "online"]
@@ -366,6 +375,15 @@ class StagePeer:
                 await asyncio.sleep(1.0)
         if loaded is None:
             await self._restore_stage(compute, resume, snapshot, others=len(others))
+        logger.info(
+            "stage %d: state from the %s (version %d) in %.1f s",
+            stage,
+            {"peer": "a live replica", "keeper": "keeper's snapshot", "checkpoint": "checkpoint"}.get(
+                self.loaded_from, "spec's seed"
+            ),
+            compute.version,
+            time.monotonic() - t_state,
+        )
         self._averager.share_state(True, priority=compute.version)
         compute.set_replicas(await self._live_replicas(stage))
         self._rounds = ReplicaRounds(
