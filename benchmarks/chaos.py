@@ -298,12 +298,7 @@ def peer_log_figures(logs: Path, dead_trainer: str | None, killed_at_wall: float
         for line in path.read_text(errors="replace").splitlines():
             m = _DROPPED.search(line)
             if m and dead_trainer is not None and m.group(1) == dead_trainer:
-                t = _LOG_TIME.match(line)
-                when = (
-                    datetime.datetime.strptime(t.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                    if t and killed_at_wall is not None
-                    else None
-                )
+                when = _log_wall(line) if killed_at_wall is not None else None
                 drops.append(
                     {
                         "peer_log": path.name,
@@ -326,6 +321,39 @@ def peer_log_figures(logs: Path, dead_trainer: str | None, killed_at_wall: float
         "stash_expired": expired,
         "trainer_gone_total": gone,
     }
+
+
+_DHT_UP = re.compile(r"DHT node up after ([\d.]+) s")
+_SERVING_LINE = re.compile(r"serving stage \d+ of run")
+
+
+def _log_wall(line: str) -> float | None:
+    t = _LOG_TIME.match(line)
+    return datetime.datetime.strptime(t.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if t else None
+
+
+def replacement_phases(entry: dict[str, Any]) -> dict[str, Any]:
+    """A replacement's record with where its time went, from its log: ``process_s`` from the spawn to
+    the peer's ``start()`` (interpreter, imports, flags), ``start_s`` from there to serving (DHT, stage,
+    averager, state)."""
+    out = {k: v for k, v in entry.items() if k not in ("started", "spawned_wall")}
+    try:
+        lines = Path(entry["log"]).read_text(errors="replace").splitlines()
+    except (KeyError, OSError):
+        return out
+    began = serving = None
+    for line in lines:
+        m = _DHT_UP.search(line)
+        wall = _log_wall(line)
+        if m and wall is not None and began is None:
+            began = wall - float(m.group(1))
+        if _SERVING_LINE.search(line) and wall is not None and serving is None:
+            serving = wall
+    if began is not None:
+        out["process_s"] = began - entry["spawned_wall"]
+        if serving is not None:
+            out["start_s"] = serving - began
+    return out
 
 
 def run_layout(
@@ -415,6 +443,7 @@ def run_chaos(  # type: ignore[no-untyped-def]
     replacing: list[asyncio.Task] = []  # replacement peers coming online
     trainers: list[TrainerProcess] = []
     trainer_kill: dict[str, Any] = {}
+    skipped: list[int] = []  # trainer steps at kill times that found no peer to kill (every stage short)
     t0 = time.monotonic()
     try:
         demo.start()
@@ -468,7 +497,7 @@ def run_chaos(  # type: ignore[no-untyped-def]
 
         async def replace(stage: int, name: str) -> None:
             t = time.monotonic()
-            entry: dict[str, Any] = {"stage": stage, "name": name, "started": t}
+            entry: dict[str, Any] = {"stage": stage, "name": name, "started": t, "spawned_wall": time.time()}
             replacements.append(entry)
             proc = None
             try:
@@ -513,6 +542,7 @@ def run_chaos(  # type: ignore[no-untyped-def]
                 if not wiped and step >= steps // 3 and held is not None and held.version > 0:
                     victims = live(wipe_stage)
                     if len(victims) < 2:
+                        skipped.append(step)
                         continue  # a replacement is still starting: wipe when the stage is whole again
                     wiped = True
                     for v in victims:
@@ -521,8 +551,10 @@ def run_chaos(  # type: ignore[no-untyped-def]
                         fresh.append(asyncio.create_task(watch_orphans(v.pid, v.peer_id)))
                         replacing.append(asyncio.create_task(replace(wipe_stage, f"w{len(kills)}")))
                     continue
-                choices = [s for s in range(stages) if len(live(s)) >= 2]
+                # before the wipe its stage is spared, so that it is whole (both replicas online) when due
+                choices = [s for s in range(stages) if len(live(s)) >= 2 and (wiped or s != wipe_stage)]
                 if not choices:
+                    skipped.append(step)
                     continue
                 victim = rng.choice(live(rng.choice(choices)))
                 await kill(victim, "single")
@@ -619,7 +651,8 @@ def run_chaos(  # type: ignore[no-untyped-def]
         "lost_stage_steps": lost_steps,
         "lost_tokens": lost_steps * spec.optimizer.accumulate * spec.tokens_per_micro_batch,
         "orphans": orphans,
-        "replacements": [{k: v for k, v in r.items() if k != "started"} for r in replacements],
+        "replacements": [replacement_phases(r) for r in replacements],
+        "skipped_kills": skipped,
         "leftovers": len(demo.leftovers()),
         "eval_loss": final["eval_loss"] if final else None,
         "eval_tokens": final["tokens"] if final else None,
@@ -664,6 +697,32 @@ def render(results: dict[str, Any]) -> str:
             f"{r['steps'] * r['spec']['optimizer']['accumulate']} | {k['lost_stage_steps']} ({k['lost_tokens']}) | {left} / "
             f"{k['leftovers']} | {ratio} |"
         )
+    for r in results["layouts"]:
+        reps = r["chaos"].get("replacements")
+        if not reps:
+            continue
+        online = [x for x in reps if "online_s" in x]
+        line = f"{r['stages']} x {r['peers_per_stage']}: {len(online)} of {len(reps)} replacement peers came online"
+        if online:
+            times = sorted(x["online_s"] for x in online)
+            line += f" after {statistics.median(times):.0f} s (median; {times[0]:.0f}-{times[-1]:.0f} s)"
+            process = [x["process_s"] for x in online if "process_s" in x]
+            start = [x["start_s"] for x in online if "start_s" in x]
+            if process and start:
+                line += (
+                    f", of which {statistics.median(process):.0f} s until the peer's start() (interpreter and imports) "
+                    f"and {statistics.median(start):.1f} s joining (DHT, stage, averager, state)"
+                )
+        pending = [x for x in reps if "pending_s" in x]
+        failed = [x for x in reps if "error" in x]
+        if pending:
+            line += f"; {len(pending)} still starting when the run ended"
+        if failed:
+            line += f"; {len(failed)} failed: {failed[0]['error'][:200]}"
+        skipped = r["chaos"].get("skipped_kills") or []
+        if skipped:
+            line += f"; {len(skipped)} kill times found no peer to kill"
+        lines += ["", line + "."]
     if any(r["chaos"].get("trainer_kill") for r in results["layouts"]):
         lines += [
             "",

@@ -376,10 +376,10 @@ class StagePeer:
         if loaded is None:
             await self._restore_stage(compute, resume, snapshot, others=len(others))
         logger.info(
-            "stage %d: state from the %s (version %d) in %.1f s",
+            "stage %d: state from %s (version %d) in %.1f s",
             stage,
-            {"peer": "a live replica", "keeper": "keeper's snapshot", "checkpoint": "checkpoint"}.get(
-                self.loaded_from, "spec's seed"
+            {"peer": "a live replica", "keeper": "the keeper's snapshot", "checkpoint": "the checkpoint"}.get(
+                self.loaded_from, "the spec's seed"
             ),
             compute.version,
             time.monotonic() - t_state,

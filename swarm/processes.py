@@ -102,7 +102,12 @@ def remove_stale_sockets(prefix: str) -> list[str]:
     listening on its own, so a live peer's files are never touched.
     """
     removed = []
+    listening = _listening_unix_paths()
     for path in sorted(glob.glob(glob.escape(prefix) + "*.sock")):
+        if path in listening:
+            # listed as listening: no probe. A connection that sends nothing makes hivemind's P2P client
+            # log an ERROR traceback ("Unhandled exception in client_connected_cb") in the live process.
+            continue
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             try:
                 s.connect(path)
@@ -117,6 +122,29 @@ def remove_stale_sockets(prefix: str) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def _listening_unix_paths() -> set[str]:
+    """Paths of the listening Unix sockets of this network namespace (Linux ``/proc/net/unix``; empty
+    elsewhere). A file not listed is probed by connecting (its listener may live in another namespace)."""
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            return listening_paths(f.read())
+    except OSError:
+        return set()
+
+
+def listening_paths(proc_net_unix: str) -> set[str]:
+    """The listening socket paths in the text of ``/proc/net/unix``."""
+    paths = set()
+    for line in proc_net_unix.splitlines()[1:]:
+        # Num RefCount Protocol Flags Type St Inode Path; flag 0x10000 (__SO_ACCEPTCON) = listening
+        parts = line.split(maxsplit=7)
+        if len(parts) == 8:
+            with contextlib.suppress(ValueError):
+                if int(parts[3], 16) & 0x10000:
+                    paths.add(parts[7])
+    return paths
 
 
 def terminate_as_interrupt(

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.chaos import peer_log_figures, read_jsonl, render, resend_latencies, stalls, with_monotonic
+from benchmarks.chaos import (
+    peer_log_figures,
+    read_jsonl,
+    render,
+    replacement_phases,
+    resend_latencies,
+    stalls,
+    with_monotonic,
+)
 
 
 def test_a_half_written_line_of_a_killed_trainer_is_skipped(tmp_path):
@@ -86,3 +94,21 @@ def test_render_reads_results_without_a_trainer_kill():
         {"steps": 10, "kill_every_s": 8, "snapshot_interval_s": 10, "machine": "m", "layouts": [layout]}
     )
     assert "| 2 x 2 | 1 (no wipe) |" in text and "+1.0%" in text and "Trainer kill" not in text
+
+
+def test_a_replacement_log_tells_process_start_from_joining(tmp_path):
+    import datetime
+
+    log = tmp_path / "peer-s1-8-f1.log"
+    log.write_text(
+        "$ python -m swarm.cli peer --stage 1\n"
+        "2026-12-01 15:00:20,000 INFO peer.server: DHT node up after 2.0 s\n"
+        "2026-12-01 15:00:22,500 INFO peer.server: peer Q serving stage 1 of run chaos4\n"
+        "peer Q serving stage 1 of run chaos4\n"
+    )
+    spawned = datetime.datetime(2026, 12, 1, 15, 0, 0).timestamp()
+    entry = {"stage": 1, "log": str(log), "started": 5.0, "spawned_wall": spawned, "online_s": 23.0}
+    out = replacement_phases(entry)
+    assert abs(out["process_s"] - 18.0) < 1e-6 and abs(out["start_s"] - 4.5) < 1e-6
+    assert "started" not in out and out["online_s"] == 23.0
+    assert replacement_phases({"stage": 0, "error": "x"}) == {"stage": 0, "error": "x"}

@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import psutil
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -77,6 +78,10 @@ def test_remove_stale_sockets_removes_only_files_nobody_listens_on():
             assert remove_stale_sockets(prefix) == [prefix + "p2pclient-dead.sock"]
             assert sorted(os.listdir(d)) == ["x-p2pd-live.sock", "y-p2pd-dead.sock"]
             assert remove_stale_sockets(prefix) == []
+            if sys.platform.startswith("linux"):  # known listening from /proc/net/unix: never connected to
+                live.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    live.accept()
         finally:
             live.close()
             stale.close()
@@ -126,3 +131,16 @@ def test_a_sigkilled_process_leaves_no_dht_averager_or_p2pd_behind():
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_listening_paths_reads_the_listening_flag_of_proc_net_unix():
+    from swarm.processes import listening_paths
+
+    text = (
+        "Num       RefCount Protocol Flags    Type St Inode Path\n"
+        "0000000000000000: 00000002 00000000 00010000 0001 01 3558720 /tmp/p-p2pclient-a.sock\n"
+        "0000000000000000: 00000003 00000000 00000000 0001 03 3550812 /tmp/p-p2pd-connected.sock\n"
+        "0000000000000000: 00000003 00000000 00000000 0001 03 3550813\n"
+        "0000000000000000: 00000002 00000000 00010000 0001 01 3558721 /tmp/with space.sock\n"
+    )
+    assert listening_paths(text) == {"/tmp/p-p2pclient-a.sock", "/tmp/with space.sock"}
