@@ -582,8 +582,9 @@ class StageCompute:
         with self.lock:
             if self._round_active or self._ready or len(self.stash) > 0:
                 return False
-            if self.sync:  # another replica waits: a new window began, so ours is over
-                return True
+            # Not at once in sync mode either: another replica's round is scheduled when its share
+            # *begins*, so its declaration does not mean the window is over here (a last stage's
+            # stash is empty between any two micro-batches).
             return self.stash.clock() - self.last_gradient_at >= idle_s
 
     def uncombined(self) -> int:

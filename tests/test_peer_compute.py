@@ -189,6 +189,7 @@ def test_sync_replica_closes_its_share_when_the_next_window_begins():
     assert comp.version == 1 and comp.forward_allowed()
     comp.forward("c", tokens(2), "train")
     comp.backward("c", grad(2))
+    assert not comp.can_fill_in(idle_s=1.0)  # between two micro-batches of a window: not over yet
     clock[0] = 5.0  # after the last window: it closes by itself once quiet
     assert comp.round_due()
 
