@@ -13,13 +13,13 @@ so a tampered file cannot execute code.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from swarm.atomic import atomic_torch_save
 from swarm.errors import ConfigError
 
 __all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "checkpoint_path", "FILE_NAME"]
@@ -59,17 +59,7 @@ def save_checkpoint(directory: str | os.PathLike[str], ckpt: Checkpoint) -> Path
         "tensors": [t.detach().to("cpu").contiguous() for t in ckpt.tensors],
         "meta": dict(ckpt.meta),
     }
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-ckpt-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_torch_save(payload, path, prefix=".tmp-ckpt-")
     return path
 
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarm.atomic import atomic_torch_save
 from swarm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -125,17 +125,7 @@ class SnapshotStore:
             "meta": dict(snap.meta),
             "flat": snap.flat.detach().to("cpu", torch.float32).contiguous().reshape(-1),
         }
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-snap-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_torch_save(payload, path, prefix=".tmp-snap-")
         for old in prune_plan(self.versions(snap.stage), self.keep):
             try:
                 self.path(snap.stage, old).unlink()
