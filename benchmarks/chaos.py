@@ -15,7 +15,7 @@ processes; the trainer is a process of its own, ``--trainer-worker``, so that it
    its hivemind DHT process, averager and p2pd must exit by themselves) and a fresh peer is started
    for its stage; once, a third of the way through (once the keeper holds a snapshot), *every* replica
    of the last stage is killed at once and two fresh peers are started: they find no live replica and
-   restore the keeper's snapshot; once, half-way, the *trainer* is SIGKILLed and a new trainer process
+   restore the keeper's snapshot; once, as soon as it has recorded half its steps, the *trainer* is SIGKILLed and a new trainer process
    continues it with ``TrainerConfig(resume=True)`` (what ``swarm train --resume OUT`` builds). No peer
    is killed while the resumed trainer has not completed a micro-batch yet.
 
@@ -532,9 +532,6 @@ def run_chaos(  # type: ignore[no-untyped-def]
                 if trainer_done():
                     return
                 step = current_step(metrics)
-                if not trainer_kill and step >= steps // 2:
-                    await kill_trainer()
-                    continue
                 if not resumed_and_running():
                     continue  # the trainer is restarting: peer kills would have nothing to re-send
                 keeper = demo.boot.keeper
@@ -561,20 +558,31 @@ def run_chaos(  # type: ignore[no-untyped-def]
                 fresh.append(asyncio.create_task(watch_orphans(victim.pid, victim.peer_id)))
                 replacing.append(asyncio.create_task(replace(victim.stage, f"f{len(kills)}")))
 
+        async def trainer_monkey() -> None:
+            """SIGKILL the trainer once it has recorded half its steps (polled, not on the kill ticks: a
+            fast layout runs 60 steps in a few ticks)."""
+            while not trainer_done():
+                if current_step(metrics) >= steps // 2:
+                    await kill_trainer()
+                    return
+                await asyncio.sleep(0.1)
+
         async def main() -> int:
-            monkey = asyncio.get_running_loop().create_task(chaos())
+            monkeys = [asyncio.get_running_loop().create_task(c()) for c in (chaos, trainer_monkey)]
             deadline = time.monotonic() + 1800
             try:
                 while not trainer_done():
-                    if monkey.done() and monkey.exception() is not None:
-                        raise monkey.exception()  # a broken chaos loop must not pass silently
+                    for monkey in monkeys:
+                        if monkey.done() and monkey.exception() is not None:
+                            raise monkey.exception()  # a broken chaos loop must not pass silently
                     if time.monotonic() > deadline:
                         raise TimeoutError("the chaos run's trainer did not finish within 1800 s")
                     await asyncio.sleep(0.2)
                 return trainers[-1].popen.returncode
             finally:
-                monkey.cancel()
-                await asyncio.gather(monkey, return_exceptions=True)
+                for monkey in monkeys:
+                    monkey.cancel()
+                await asyncio.gather(*monkeys, return_exceptions=True)
                 for task in replacing:  # replacements still starting: recorded as pending
                     task.cancel()
                 await asyncio.gather(*fresh, *replacing, return_exceptions=True)
