@@ -15,9 +15,11 @@ processes; the trainer is a process of its own, ``--trainer-worker``, so that it
    its hivemind DHT process, averager and p2pd must exit by themselves) and a fresh peer is started
    for its stage; once, a third of the way through (once the keeper holds a snapshot), *every* replica
    of the last stage is killed at once and two fresh peers are started: they find no live replica and
-   restore the keeper's snapshot; once, as soon as it has recorded half its steps, the *trainer* is SIGKILLed and a new trainer process
-   continues it with ``TrainerConfig(resume=True)`` (what ``swarm train --resume OUT`` builds). No peer
-   is killed while the resumed trainer has not completed a micro-batch yet.
+   restore the keeper's snapshot (until then that stage is spared by the single kills, so that it is
+   whole when the wipe is due); once the trainer has recorded half its steps, the *trainer* is
+   SIGKILLed and a new trainer process continues it with ``TrainerConfig(resume=True)`` (what
+   ``swarm train --resume OUT`` builds). No peer is killed while the resumed trainer has not completed
+   a micro-batch yet.
 
 Figures (each from the trainer's metrics file, its events, the peers' logs and the run's DHT records;
 times on the machine's monotonic clock, which the trainer processes share):
