@@ -731,7 +731,7 @@ def render(results: dict[str, Any]) -> str:
             line += f"; {len(failed)} failed: {failed[0]['error'][:200]}"
         skipped = r["chaos"].get("skipped_kills") or []
         if skipped:
-            line += f"; {len(skipped)} kill times found no peer to kill"
+            line += f"; {len(skipped)} kill time{'s' if len(skipped) != 1 else ''} found no peer to kill"
         lines += ["", line + "."]
     if any(r["chaos"].get("trainer_kill") for r in results["layouts"]):
         lines += [
