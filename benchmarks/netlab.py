@@ -3,7 +3,7 @@
 Why: the swarm is built for slow links between volunteers, so its benchmarks must run over slow links,
 and a benchmark anyone can rerun needs those links on one machine. Linux network namespaces give each
 process its own network stack; a ``tbf`` queueing discipline on each namespace's egress caps what it
-can send (``netem`` is not available here, so there is no added delay: see shared/HIVEMIND_NOTES.md).
+can send (``netem`` is not available here, so there is no added delay: see docs/HIVEMIND.md, "Links on one machine").
 
 Layout of one lab (``TAG`` is unique per lab, e.g. ``swl-4242-9f3a``: our prefix, the owner's pid,
 random hex)::

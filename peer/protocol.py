@@ -11,7 +11,7 @@ payload (codec bytes from ``compression``). It travels as a *stream* of hivemind
 ``runtime_pb2.ExpertRequest`` parts: the first part's ``uid`` is the protocol version tag, its
 ``metadata`` is the header; each part's ``tensors[0].buffer`` carries up to ``PART_BYTES`` of the
 payload. Streams are used for every message, small or large, because unary messages are capped at
-4 MiB and an oversized unary *response* hangs the caller (see shared/HIVEMIND_NOTES.md). The header
+4 MiB and an oversized unary *response* hangs the caller (see docs/HIVEMIND.md, "P2P"). The header
 declares ``payload_bytes``; the receiver checks it against its cap *before* reading the parts and
 stops reading as soon as the parts exceed it.
 
@@ -25,7 +25,7 @@ or ``{"ok": False, "error": "...", "code": "..."}``. Refusals are replies, not e
 that refuses garbage does not log a traceback per request; the caller turns them into
 :class:`~swarm.errors.RequestError`.
 
-Flow of one training micro-batch (see ../shared/DESIGN.md, "One micro-batch, end to end")
+Flow of one training micro-batch (the trainer's view is in swarm/trainer.py's module docstring)
 ------------------------------------------------------------------------------------------
 1. trainer -> route[0]     ``FORWARD``  (tokens and targets in the header, empty payload)
 2. route[s] -> route[s+1]  ``FORWARD``  (payload = encoded activation of stage s)

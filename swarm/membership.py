@@ -2,7 +2,7 @@
 
 ``Membership(dht, run_id, spec_hash=None)`` wraps a DHT made by ``network.start_dht``. Why one
 object per process: concurrent DHT calls from several threads corrupt the pipe to hivemind's DHT
-process and kill it (shared/HIVEMIND_NOTES.md), so every call goes through one ``threading.Lock``.
+process and kill it (docs/HIVEMIND.md, "DHT"), so every call goes through one ``threading.Lock``.
 Runs other than the first one share that lock via ``membership.for_run(other_run_id)``.
 
 All methods block (async code calls them with ``asyncio.to_thread``); each DHT call has a timeout

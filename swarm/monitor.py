@@ -10,7 +10,7 @@ Three parts, each with one owner:
 - The **poller** (:class:`_Poller`, one background thread) is the only code that touches the DHT:
   every ``poll_interval_s`` it reads each watched run through one :class:`~swarm.membership.Membership`
   (``gather_run_status``) and hands the result to :meth:`MonitorState.update`. Why one thread:
-  concurrent DHT calls corrupt hivemind's pipe (shared/HIVEMIND_NOTES.md), and request threads must
+  concurrent DHT calls corrupt hivemind's pipe (docs/HIVEMIND.md, "DHT"), and request threads must
   never wait on the DHT.
 - :class:`MonitorState` keeps what the DHT does not: a bounded history of progress samples per run
   (the loss and tokens/s curves; ``history`` samples at most, oldest dropped) and when this monitor

@@ -91,7 +91,7 @@ REGISTRY_FIELD = "runs"
 REGISTRY_KEY = f"{KEY_PREFIX}_{REGISTRY_FIELD}"
 # Stage fields are spelled out in the DHT schema, so the schema needs an upper bound.
 MAX_STAGES = 256
-# The DHT process dies on values of ~45 KB (shared/HIVEMIND_NOTES.md); a spec is a few hundred bytes.
+# The DHT process dies on values of ~45 KB (docs/HIVEMIND.md, "DHT"); a spec is a few hundred bytes.
 MAX_SPEC_BYTES = 16 * 1024
 PEER_STATES = ("joining", "online", "leaving", "reading")
 ACTIVE_STATES = frozenset({"joining", "online"})

@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 # A spec travels through the DHT, where a value of ~45 KB crashes the DHT process
-# (shared/HIVEMIND_NOTES.md). Real specs are well under 2 KB; refuse anything above this cap before
+# (docs/HIVEMIND.md, "DHT"). Real specs are well under 2 KB; refuse anything above this cap before
 # parsing it, so a hostile or broken spec cannot get near the crash size.
 MAX_SPEC_BYTES = 16 * 1024
 # A commented YAML file is larger than its canonical JSON; this only guards against reading a wrong file.

@@ -1,7 +1,7 @@
 """Shared test fixtures.
 
 ``no_leftover_processes`` runs around every test module: hivemind starts a forked DHT process and a
-``p2pd`` daemon per node, and SIGKILL of a parent leaves them running (see shared/HIVEMIND_NOTES.md).
+``p2pd`` daemon per node, and SIGKILL of a parent leaves them running (see docs/HIVEMIND.md, "Processes").
 A module that leaves descendants behind fails here (after a short grace period), and the leftovers are
 killed so that they do not disturb the next module.
 

@@ -9,7 +9,6 @@ publish trainer progress, serves the monitor, and loads the page in Debian's chr
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import socket
@@ -327,19 +326,8 @@ def test_cli_flags_map_to_the_config():
 
 def _chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found:
-        return found
-    if os.geteuid() != 0:
-        pytest.skip("chromium is not installed and this user cannot apt-get install it")
-    try:
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "chromium"], check=True, capture_output=True, timeout=300
-        )
-    except (subprocess.SubprocessError, OSError) as e:
-        pytest.skip(f"chromium is not installed and `apt-get install -y chromium` failed: {e}")
-    found = shutil.which("chromium")
-    if not found:
-        pytest.skip("`apt-get install -y chromium` ran but no chromium binary is on PATH")
+    if not found:  # tests never install anything; README, "Tests", says how to get the browser test
+        pytest.skip("chromium is not installed (e.g. `apt-get install chromium`) for the browser test")
     return found
 
 
