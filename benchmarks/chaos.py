@@ -210,22 +210,6 @@ def check_trainer(rc: int, out: Path) -> None:
         raise RuntimeError(f"the trainer writing {out} exited with code {rc}; its log ends with:\n{tail}")
 
 
-def group_alive(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid`` (Linux /proc)."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            alive.append(int(entry))
-    return alive
-
-
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics file; a line a SIGKILLed trainer left half-written is skipped."""
     out = []
@@ -432,7 +416,7 @@ def run_chaos(  # type: ignore[no-untyped-def]
     root: Path,
 ) -> dict[str, Any]:
     """The run with peer kills, a stage wipe and a trainer kill + resume."""
-    from swarm.processes import remove_stale_sockets
+    from swarm.processes import alive_in_groups, remove_stale_sockets
 
     demo = make_demo(spec, root / f"s{stages}-chaos", snapshot_interval_s=snapshot_interval_s)
     out = root / f"s{stages}-chaos-train"
@@ -490,10 +474,10 @@ def run_chaos(  # type: ignore[no-untyped-def]
 
         async def watch_orphans(pgid: int, who: str) -> None:
             t = time.monotonic()
-            while group_alive(pgid) and time.monotonic() - t < 10.0:
+            while alive_in_groups([pgid]) and time.monotonic() - t < 10.0:
                 await asyncio.sleep(0.2)
             orphans.append(
-                {"who": who, "left_after_10s": len(group_alive(pgid)), "gone_s": time.monotonic() - t}
+                {"who": who, "left_after_10s": len(alive_in_groups([pgid])), "gone_s": time.monotonic() - t}
             )
             remove_stale_sockets(demo.socket_prefix)
 

@@ -40,7 +40,7 @@ from typing import IO, Any
 
 from swarm.errors import ConfigError, SwarmError
 from swarm.network import SOCKET_PREFIX_ENV
-from swarm.processes import child_socket_prefix, remove_stale_sockets, terminate_as_interrupt
+from swarm.processes import alive_in_groups, child_socket_prefix, remove_stale_sockets, terminate_as_interrupt
 
 __all__ = ["DemoConfig", "Demo", "PeerProcess", "demo_spec", "DEFAULT_DEMO_SPEC"]
 
@@ -547,30 +547,7 @@ class Demo:
         """Live processes (not zombies) in the process groups this demo created; empty after
         :meth:`shutdown`. Zombies are ignored: a killed peer's DHT child is reparented to init and is
         gone for every purpose but the process table until init reaps it."""
-        groups = set(self.pgids)
-        if not groups:
-            return []
-        if not os.path.isdir("/proc"):  # not Linux: ask the kernel about each group instead
-            alive = []
-            for pgid in groups:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, 0)
-                    alive.append(pgid)
-            return alive
-        alive = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                    # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after the last ')'
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            state, pgrp = fields[0], int(fields[2])
-            if pgrp in groups and state not in ("Z", "X"):
-                alive.append(int(entry))
-        return alive
+        return alive_in_groups(self.pgids)
 
 
 def _kill_group(pgid: int, sig: int) -> None:

@@ -34,6 +34,7 @@ from types import FrameType
 import psutil
 
 __all__ = [
+    "alive_in_groups",
     "child_socket_prefix",
     "exit_with_parent",
     "reap_children",
@@ -43,6 +44,33 @@ __all__ = [
 
 # torch's shared-memory manager exits on its own when its parent does.
 _SELF_EXITING = ("torch_shm_manager",)
+
+
+def alive_in_groups(pgids: Iterable[int]) -> list[int]:
+    """Live processes (not zombies) of these process groups: their pids from /proc on Linux, and
+    elsewhere the groups the kernel still knows (``killpg(pgid, 0)``)."""
+    groups = set(pgids)
+    if not groups:
+        return []
+    alive: list[int] = []
+    if not os.path.isdir("/proc"):
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, 0)
+                alive.append(pgid)
+        return alive
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after the last ')'
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups and fields[0] not in ("Z", "X"):
+            alive.append(int(entry))
+    return alive
 
 
 def exit_with_parent(poll_s: float = 0.5) -> threading.Thread:

@@ -144,3 +144,12 @@ def test_listening_paths_reads_the_listening_flag_of_proc_net_unix():
         "0000000000000000: 00000002 00000000 00010000 0001 01 3558721 /tmp/with space.sock\n"
     )
     assert listening_paths(text) == {"/tmp/p-p2pclient-a.sock", "/tmp/with space.sock"}
+
+
+def test_alive_in_groups_finds_this_process_and_nothing_in_an_empty_group():
+    from swarm.processes import alive_in_groups
+
+    me = os.getpgid(0)
+    found = alive_in_groups([me])
+    assert found and (os.getpid() in found or me in found)
+    assert alive_in_groups([]) == []
