@@ -742,17 +742,7 @@ class StagePeer:
                 await self._join_stage(stage, None)
             except StageStateLost as e:  # the pre-check in _maybe_move passed, then the state vanished
                 logger.warning("not moving to stage %d after all, back to stage %d: %s", stage, old.stage, e)
-                meta, tensors = old.export_state()
-                own = Checkpoint(
-                    spec_hash=self.spec.spec_hash,
-                    run_id=self.spec.run_id,
-                    stage=old.stage,
-                    version=meta["version"],
-                    names=meta["names"],
-                    tensors=tensors,
-                    meta=meta,
-                )
-                await self._join_stage(old.stage, own)
+                await self._join_stage(old.stage, self._as_checkpoint(old))
             self.state = "online"
             self.counters["moves"] += 1
             await self._announce()
@@ -804,21 +794,21 @@ class StagePeer:
             except OSError as e:
                 logger.error("periodic checkpoint to %s failed: %s", self.config.checkpoint_dir, e)
 
-    def _save_checkpoint(self) -> None:
-        compute = self.compute
+    def _as_checkpoint(self, compute: StageCompute) -> Checkpoint:
+        """The state of ``compute`` as a checkpoint of this run (to save, or to rejoin its stage)."""
         meta, tensors = compute.export_state()
-        save_checkpoint(
-            self.config.checkpoint_dir,
-            Checkpoint(
-                spec_hash=self.spec.spec_hash,
-                run_id=self.spec.run_id,
-                stage=compute.stage,
-                version=meta["version"],
-                names=meta["names"],
-                tensors=tensors,
-                meta=meta,
-            ),
+        return Checkpoint(
+            spec_hash=self.spec.spec_hash,
+            run_id=self.spec.run_id,
+            stage=compute.stage,
+            version=meta["version"],
+            names=meta["names"],
+            tensors=tensors,
+            meta=meta,
         )
+
+    def _save_checkpoint(self) -> None:
+        save_checkpoint(self.config.checkpoint_dir, self._as_checkpoint(self.compute))
 
     # ------------------------------------------------------------------------------- handlers
 
