@@ -537,6 +537,7 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
                 data=dcfg,
                 tokens=tokens,
                 max_inflight=inflight,
+                pacing=cfg.max_inflight is None,  # --max-inflight K: exactly K (swarm/pacing.py otherwise)
                 max_attempts=8,
                 out_dir=str(work / "train"),
                 seed=job.seed,

@@ -58,6 +58,13 @@ from swarm.spec import RunSpec
 
 __all__ = ["StageCompute", "ForwardResult", "BackwardResult"]
 
+# note "quiet": a replica decides that its traffic stopped (and joins a partner's round with less than
+# its share) after QUIET_FACTOR x the longest of the last GAPS_KEPT gaps between its gradients. A
+# fixed second tripped on a loaded machine, where gaps of over a second are normal, and cut stage
+# steps short (2 x 2 runs exported 160-214 stage steps for 150).
+QUIET_FACTOR = 1.5
+GAPS_KEPT = 32
+
 logger = logging.getLogger(__name__)
 
 Mode = Literal["train", "eval", "generate"]
@@ -148,6 +155,7 @@ class StageCompute:
         self.replicas = 1  # online replicas of this stage, this one included (set by the peer)
         self.on_round_due: Callable[[], None] = lambda: None  # wakes the replica rounds' thread
         self.last_gradient_at = clock()
+        self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)  # seconds between recent gradients (note "quiet")
         self._round_active = False  # sync mode: forwards wait while a round combines this window
         # shares complete while a round ran wait here, oldest first: every round takes exactly one
         # share of each replica, so a slow round never merges several steps' micro-batches into one
@@ -434,7 +442,9 @@ class StageCompute:
         """Step when ``accumulate`` micro-batches are in (sync: and none of this window is in flight).
 
         A replicated stage never steps here: it wakes the replica rounds instead (peer/replicas.py)."""
-        self.last_gradient_at = self.stash.clock()
+        now = self.stash.clock()
+        self._gaps.append(now - self.last_gradient_at)
+        self.last_gradient_at = now
         if self.replicas > 1:
             if not self.sync and self.optimizer.pending >= self.quota():
                 self._ready.append(self._take_share())
@@ -549,10 +559,17 @@ class StageCompute:
 
     # ---- replica rounds (peer/replicas.py) ---------------------------------------------------
 
+    def quiet_after(self, floor_s: float, cap_s: float) -> float:
+        """Seconds without a gradient after which this replica's traffic counts as stopped (note
+        "quiet"): 1.5 x the longest of the recent gaps between gradients, within ``[floor_s, cap_s]``."""
+        with self.lock:
+            longest = max(self._gaps, default=0.0)
+        return min(cap_s, max(floor_s, QUIET_FACTOR * longest))
+
     def round_due(self, settle_s: float = 1.0) -> bool:
         """A complete share of this replica waits for a round. In sync mode a share closes when the next
         window begins (:meth:`note_window`), or, after the last window, once nothing is in flight here
-        and no gradient came for ``settle_s``."""
+        and no gradient came for ``settle_s`` (see :meth:`quiet_after`)."""
         with self.lock:
             if self._round_active:
                 return False

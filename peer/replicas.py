@@ -9,7 +9,7 @@ a *round* (``StageAverager.combine``): a hivemind all-reduce over exactly the ``
 (min group size = target group size = ``R``) of the gradient sums and micro-batch counts. The
 result is the stage's mean gradient over every micro-batch of the round, and every member applies
 the same optimizer step to the same state, so replicas hold the same weights and the same version
-numbers. A replica that gets no traffic (nothing in flight, no gradient for ``idle_s``) joins a round
+numbers. A replica that gets no traffic (nothing in flight, no gradient for a while: note "quiet") joins a round
 that another replica waits for (its matchmaking declaration is in the DHT) with what it holds, maybe
 nothing, so a step never waits for a replica without work; a share is otherwise never sent partial.
 
@@ -28,7 +28,7 @@ True, wait=False)``): the group forms while the share accumulates, and the all-r
 share is complete (``finish``). A scheduled round that no longer fits (the version changed by a
 download or a solo step, the replica count changed, or its group search ended without a group) is
 dropped and scheduled again; only a round that failed after its gradients were handed over counts as
-failed. A replica whose group is complete but whose traffic stopped (no gradient for ``idle_s``)
+failed. A replica whose group is complete but whose traffic stopped (no gradient for a while)
 fills in with what it holds.
 
 Consistency (checked on every round, from what the members ``gather``):
@@ -76,7 +76,8 @@ class RoundsConfig:
     """Seconds a round waits for a full group before the gradients go back and it is retried."""
     idle_s: float = 1.0
     """A replica with less than its share joins a round another replica waits for once no gradient
-    came for this long (with nothing at all, at once)."""
+    came for this long, or for 1.5 x the longest recent gap between its gradients when that is longer
+    (note "quiet" in peer/compute.py; at most half the round timeout)."""
     max_failed_rounds: int = 3
     """Failed rounds in a row after which this replica steps alone (the others catch up by download)."""
     poll_s: float = 0.25
@@ -207,17 +208,16 @@ class ReplicaRounds:
             self._drop_scheduled()
             return
         self._check_scheduled()
-        if compute.round_due():
+        quiet = self.quiet_s()
+        if compute.round_due(quiet):
             self.run_round()
         elif self._scheduled is not None:
             # our group is complete and its other members wait for us, but our traffic stopped
-            if self.averager.group_formed(self._scheduled.control) and compute.can_fill_in(
-                self.config.idle_s
-            ):
+            if self.averager.group_formed(self._scheduled.control) and compute.can_fill_in(quiet):
                 self.run_round()
         elif compute.uncombined() > 0:
             self._schedule()  # a share has begun: look for its group while it accumulates
-        elif compute.can_fill_in(self.config.idle_s) and self._poll_due() and self.averager.others_waiting():
+        elif compute.can_fill_in(quiet) and self._poll_due() and self.averager.others_waiting():
             self.run_round()  # less than a share (maybe nothing), but the step needs every replica
 
     def _schedule(self) -> None:
@@ -308,6 +308,11 @@ class ReplicaRounds:
         if compute.replicas > 1 and compute.uncombined() > 0 and not self._stop.is_set():
             self._schedule()  # the next share is on its way (async replicas kept serving)
         return stepped
+
+    def quiet_s(self) -> float:
+        """No gradient for this long means our traffic stopped (note "quiet" in peer/compute.py): at
+        least ``idle_s``, and well inside the round timeout a waiting partner gives us."""
+        return self.compute.quiet_after(self.config.idle_s, max(self.config.idle_s, self.timeout_s() / 2))
 
     def timeout_s(self) -> float:
         """How long the next round waits for a full group (see ``RoundsConfig.min_timeout_s``)."""

@@ -112,7 +112,8 @@ class DemoConfig:
     spec: Any = None
     """A ``RunSpec`` to use as is (Python API and tests); overrides ``spec_path``, ``stages``, ``codec``."""
     max_inflight: int | None = None
-    """Micro-batches in flight (None = 2 x stages x peers per stage)."""
+    """Micro-batches in flight, exactly (None = paced by the trainer between the number of stages and
+    ``swarm.trainer.inflight_rule_of_thumb``; note "pacing" in swarm/pacing.py)."""
     reference: bool = True
     """After training, train the same model in one process on the same micro-batches (with the run's
     optimizer) and print both held-out losses: what training through the swarm cost."""
@@ -390,6 +391,7 @@ class Demo:
                 run_id=self.spec.run_id,
                 steps=cfg.steps,
                 max_inflight=cfg.max_inflight or inflight_rule_of_thumb(self.spec.num_stages, n_peers),
+                pacing=cfg.max_inflight is None,  # a --max-inflight given is kept exactly (note "pacing")
                 out_dir=str(self.out_dir),
                 eval_every=eval_every,
                 seed=cfg.seed,

@@ -114,6 +114,7 @@ from swarm.metrics import (
     step_record,
     summarize,
 )
+from swarm.pacing import InflightPacer
 from swarm.routing import NoPeersError, Router, RoutingConfig, staleness_caps
 
 if TYPE_CHECKING:
@@ -155,11 +156,14 @@ class TrainerConfig:
     tokens: int | None = None
     """Tokens to train on instead of a step count (rounded up to whole micro-batches)."""
     max_inflight: int = 8
-    """Micro-batches in the swarm at once (async mode). More overlaps compute and transfers on
-    more peers; too many only lengthens queues (and staleness). Start near ``inflight_rule_of_thumb``:
-    2 per stage (a transfer overlaps a computation), and at least one per peer (every replica busy).
-    Measured (BENCHMARKS.md, "Convergence"): a 2 x 2 swarm with 4 in flight instead of 8 trained
-    better (held-out ratio 1.13 vs 1.17) at no loss of throughput on 2 cores."""
+    """The most micro-batches in the swarm at once (async mode). With ``pacing`` (the default) the
+    trainer keeps between the number of stages and this many, as many as keep the swarm busy
+    (swarm/pacing.py, note "pacing"); without it, exactly this many. More in flight overlaps compute
+    and transfers on more peers, but every one beyond what the swarm needs only waits in a queue and
+    makes gradients staler (BENCHMARKS.md, "Convergence": one peer per stage, 2 in flight 1.00 of one
+    process, 4 in flight 1.04)."""
+    pacing: bool = True
+    """Adapt the in-flight count to the swarm (note "pacing"); False keeps ``max_inflight`` in flight."""
     max_attempts: int = 4
     """Routes one micro-batch may try before it is dropped (1 = never re-send)."""
     out_dir: str | None = None
@@ -665,6 +669,8 @@ class Trainer:
         # counts at every refresh of the stage records (_update_caps)
         self.max_per_peer: list[int | None] = [None] * spec.num_stages
         self.cap_noted = False
+        # note "pacing" (swarm/pacing.py): the in-flight target of async mode
+        self.pacer = InflightPacer(floor=spec.num_stages, ceiling=cfg.max_inflight) if cfg.pacing else None
         self.stage_events_seen: set[tuple[str, str]] = set()  # (peer, event id) already printed
         self.target_steps = self._target_steps(spec)
         self.target_mbs = self.target_steps * self.accumulate
@@ -879,7 +885,12 @@ class Trainer:
     def _fill(self, now: float, *, open_new: bool = True) -> None:
         if self.eval_due and self.eval_round is None:
             self._open_eval()
-        while self.ledger.inflight() < self.config.max_inflight:
+        self._send_more(now, open_new)
+        if self.pacer is not None:
+            self.pacer.track(now, self.ledger.inflight())
+
+    def _send_more(self, now: float, open_new: bool) -> None:
+        while self.ledger.inflight() < self.inflight_target():
             mb = self._next_micro_batch(open_new)
             if mb is None:
                 return
@@ -991,7 +1002,9 @@ class Trainer:
     def _completed(self, attempt: Attempt, mb: MicroBatch) -> None:
         self.checks.pop(attempt.mb_id, None)
         if mb.kind == "train":
-            self.rtt.observe(self._clock() - attempt.started)
+            trip = self._clock() - attempt.started
+            self.rtt.observe(trip)
+            self._pace(trip)
         for stage, pid in enumerate(attempt.route):
             self.router.on_success(pid, n_tokens=mb.n_tokens, service_s=service_seconds(attempt.stats, stage))
             self.peers_by_stage[stage][pid] += 1
@@ -1010,6 +1023,39 @@ class Trainer:
             self.cur.stats[k] += v
         self.cur.completed += 1
         self._resolved_train()
+
+    def inflight_target(self) -> int:
+        """Micro-batches to keep in flight now: the pacer's target, or ``max_inflight`` (note "pacing")."""
+        if self.pacer is None or self.sync:
+            return self.config.max_inflight
+        return self.pacer.target
+
+    def _inflight_summary(self) -> dict[str, Any]:
+        """What the summary says about in-flight pacing (note "pacing")."""
+        if self.sync:
+            return {"mode": "sync windows", "max": self.config.max_inflight}
+        if self.pacer is None:
+            return {"mode": "fixed", "max": self.config.max_inflight}
+        return {
+            "mode": "paced",
+            "max": self.config.max_inflight,
+            "floor": self.pacer.floor,
+            "final": self.pacer.target,
+            "changes": self.pacer.changes,
+        }
+
+    def _pace(self, trip: float) -> None:
+        if self.pacer is None or self.sync:
+            return
+        now = self._clock()
+        self.pacer.track(now, self.ledger.inflight())
+        if self.pacer.observe(now, trip):
+            self._event(
+                "inflight",
+                target=self.pacer.target,
+                queued=round(self.pacer.queued or 0.0, 3),
+                base_s=round(self.pacer.base_s, 4),
+            )
 
     def _fail(
         self,
@@ -1228,6 +1274,8 @@ class Trainer:
             step_micro_batches=cur.completed,
         )
         rec["data_position"] = self.data_position  # note "resume"
+        if not self.sync:
+            rec["inflight_target"] = self.inflight_target()  # note "pacing"
         if self.writer is not None:
             self.writer.write(rec)
         if self.sinks is not None:
@@ -1421,6 +1469,7 @@ class Trainer:
                 "spec_hash": self.spec.spec_hash,
                 "trainer_id": self.trainer_id,
                 "mode": self.spec.optimizer.mode,
+                "inflight": self._inflight_summary(),
                 "eval_micro_batches": self.ledger.totals("eval"),
                 "peer_loss": {
                     str(st): {p: round(v, 4) for p, v in d.items()} for st, d in self.peer_loss.items()

@@ -218,3 +218,18 @@ def test_a_replica_without_traffic_may_fill_in_only_when_idle():
     assert not comp.can_fill_in(idle_s=1.0) and not comp.round_due()  # 1 of 2: a gradient just came
     clock[0] = 5.0
     assert comp.can_fill_in(idle_s=1.0)
+
+
+def test_a_replica_counts_its_traffic_stopped_only_after_a_gap_longer_than_its_recent_ones():
+    clock = [0.0]
+    comp = StageCompute(spec(accumulate=16), 0, clock=lambda: clock[0])
+    comp.replicas = 2
+    assert comp.quiet_after(1.0, 5.0) == 1.0  # nothing seen yet: the floor
+    for i, at in enumerate([0.5, 1.0, 3.0, 3.2]):  # gaps 0.5, 0.5, 2.0, 0.2 (a loaded machine)
+        clock[0] = at
+        comp.forward(f"m{i}", tokens(i), "train")
+        comp.backward(f"m{i}", grad(i))
+    assert comp.quiet_after(1.0, 5.0) == pytest.approx(3.0)  # 1.5 x the longest recent gap
+    clock[0] = 3.2 + 2.5
+    assert comp.can_fill_in(idle_s=1.0) and not comp.can_fill_in(idle_s=comp.quiet_after(1.0, 5.0))
+    assert comp.quiet_after(1.0, 2.0) == 2.0  # never past the cap (a partner's round would time out)

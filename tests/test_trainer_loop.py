@@ -623,3 +623,28 @@ def test_inflight_rule_of_thumb_keeps_two_per_stage_and_every_peer_busy():
     assert inflight_rule_of_thumb(2, 2) == 4  # one peer per stage: a transfer overlaps a computation
     assert inflight_rule_of_thumb(2, 4) == 4  # 2 x 2: one per replica is enough
     assert inflight_rule_of_thumb(2, 8) == 8  # 2 x 4: every replica busy
+
+
+def test_async_in_flight_is_paced_from_the_stage_count_up_to_what_the_swarm_takes(tmp_path):
+    # the simulated peers serve any number at once (no queues): the pacer climbs to max_inflight
+    spec = make_spec(accumulate=4)  # staleness caps of 3 per stage-0 peer: the pacer's target binds
+    sim = SimSwarm(spec, {0: ["a0", "b0"], 1: ["a1", "b1"]}, hop_s=0.02)
+    summary = run(Trainer(config(tmp_path, steps=20, max_inflight=5)), sim, spec)
+    paced = summary["inflight"]
+    assert paced["mode"] == "paced" and paced["max"] == 5 and paced["floor"] == 2, paced
+    targets = [
+        e["target"] for e in read_metrics(tmp_path / "metrics.jsonl", "event") if e["event"] == "inflight"
+    ]
+    assert targets[:3] == [3, 4, 5], targets  # one more at a time while round trips do not lengthen
+    assert all(2 <= t <= 5 for t in targets)
+    steps = read_metrics(tmp_path / "metrics.jsonl", "step")
+    assert steps[0]["inflight_target"] == 2
+    assert sim.max_inflight_seen == 5
+
+
+def test_a_fixed_in_flight_count_is_kept_without_pacing(tmp_path):
+    spec = make_spec(accumulate=4)
+    sim = SimSwarm(spec, {0: ["a0"], 1: ["a1"]}, hop_s=0.01)
+    summary = run(Trainer(config(tmp_path, steps=5, max_inflight=3, pacing=False)), sim, spec)
+    assert summary["inflight"] == {"mode": "fixed", "max": 3}
+    assert sim.max_inflight_seen == 3

@@ -49,7 +49,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=8,
         metavar="K",
-        help="micro-batches in the swarm at once (default 8)",
+        help="the most micro-batches in the swarm at once (default 8); the trainer keeps as many as keep "
+        "the swarm busy, from the number of stages up to K (async mode)",
+    )
+    p.add_argument(
+        "--fixed-inflight",
+        action="store_true",
+        help="keep exactly --max-inflight micro-batches in flight instead of pacing them to the swarm",
     )
     p.add_argument(
         "--max-attempts", type=int, default=4, metavar="N", help="routes tried per micro-batch (default 4)"
@@ -122,6 +128,7 @@ def config_from_args(args: argparse.Namespace):
         steps=args.steps,
         tokens=args.tokens,
         max_inflight=args.max_inflight,
+        pacing=not args.fixed_inflight,
         max_attempts=args.max_attempts,
         eval_every=args.eval_every,
         seed=args.seed if args.seed is not None else 0,
