@@ -273,7 +273,7 @@ def resend_latencies(kills: list[dict[str, Any]], records: list[dict[str, Any]])
 
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _DROPPED = re.compile(r"trainer (\S+): dropped (\d+) stashed micro-batch")
-_STOPPING = re.compile(r"peer \S+ stopping: stash (\d+), counters (\{.*\})")
+_STOPPING = re.compile(r"peer \S+ stopping: stash (\d+),(?: version \d+,)? counters (\{.*\})")
 
 
 def peer_log_figures(logs: Path, dead_trainer: str | None, killed_at_wall: float | None) -> dict[str, Any]:
@@ -297,8 +297,8 @@ def peer_log_figures(logs: Path, dead_trainer: str | None, killed_at_wall: float
                 stopped += 1
                 left += int(m.group(1))
                 counters = json.loads(m.group(2))
-                expired += counters.get("expired", 0)
-                gone += counters.get("trainer_gone", 0)
+                expired += int(counters.get("expired", 0))
+                gone += int(counters.get("trainer_gone", 0))
     return {
         "dropped_for_dead_trainer": sum(d["dropped"] for d in drops),
         "drops": drops,

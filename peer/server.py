@@ -568,10 +568,11 @@ class StagePeer:
         was_serving = self.state in ("online", "joining", "leaving")
         if self._compute is not None:  # one line of what this peer did (benchmarks read it from the log)
             logger.info(
-                "peer %s stopping: stash %d, counters %s",
+                "peer %s stopping: stash %d, version %d, counters %s",
                 self.peer_id,
                 len(self._compute.stash),
-                json.dumps(self.counters, sort_keys=True),
+                self._compute.version,
+                json.dumps(self.stats(), sort_keys=True),
             )
         self.state = "leaving"
         if was_serving and self._membership is not None and self._compute is not None:

@@ -6,8 +6,10 @@ observations, with the clock and the random generator injected so tests need no 
 
 Policy (note "stochastic wiring")
 ---------------------------------
-For each stage, every usable peer gets the weight ``throughput / (1 + queue)`` and one peer is drawn
-with probability proportional to its weight:
+For each stage, every usable peer gets the weight ``throughput / (1 + queue)``, and peers receive
+micro-batches in proportion to their weights. :class:`Router` picks them by *smooth weighted
+round-robin* (note "balanced shares"); :func:`choose_route` without ``credits`` draws one at random
+with probability proportional to its weight, as SWARM's stochastic wiring does.
 
 - ``throughput`` (tokens/s) starts at what the peer announced in its record and then follows an
   exponential moving average of the service rate this trainer measured from the peer's own report
@@ -35,6 +37,15 @@ The trainer passes these as ``max_per_peer``: a peer of stage i already holding 
 trainer's micro-batches is skipped, and a stage whose peers are all at the cap raises
 :class:`NoPeersError` with ``reason="saturated"`` (the trainer simply waits for completions). The
 last stage runs its backward right after its forward and needs no cap; sync mode needs none either.
+
+Balanced shares (note "balanced shares"): the replicas of a stage step together once the stage has
+``accumulate`` micro-batches, each replica after its own share (peer/replicas.py), so a replica that
+got fewer than its share lately makes its partners wait (or the stage step is cut short). Random
+draws hand out runs of several micro-batches to one replica; the smooth weighted round-robin (as
+nginx balances upstreams) gives each usable peer a credit that grows by its normalised weight at
+every choice and sends the micro-batch to the peer with the most credit, which then pays 1. Over
+any window the counts stay within about one micro-batch of the weights' proportions, and a peer
+with a higher weight still gets proportionally more.
 
 Only records in state ``online`` are used: a ``joining`` peer is still loading weights and a
 ``leaving`` one is about to go. A stage with no usable peer raises :class:`NoPeersError` naming the
@@ -181,8 +192,13 @@ def choose_route(
     config: RoutingConfig = RoutingConfig(),
     avoid: frozenset[str] = frozenset(),
     max_per_peer: Sequence[int | None] | None = None,
+    credits: dict[str, float] | None = None,
 ) -> tuple[str, ...]:
     """Draw one peer id per stage (index = stage), weighted as in note "stochastic wiring".
+
+    With ``credits`` (peer id -> credit, kept by the caller between calls) the choice is the smooth
+    weighted round-robin of note "balanced shares" instead of a random draw, and ``credits`` is
+    updated; without it the function is pure.
 
     ``stages[i]`` maps peer id -> record of the peers serving stage i. ``max_per_peer[i]`` caps the
     micro-batches this trainer keeps in flight through one peer of stage i (note "staleness cap");
@@ -222,8 +238,22 @@ def choose_route(
         weights = [peer_weight(preferred[pid], stats.get(pid), fallback_throughput=fallback) for pid in ids]
         if not any(w > 0 for w in weights):
             weights = [1.0] * len(ids)
-        route.append(rng.choices(ids, weights=weights, k=1)[0])
+        if credits is None:
+            route.append(rng.choices(ids, weights=weights, k=1)[0])
+        else:
+            route.append(_round_robin(ids, weights, credits))
     return tuple(route)
+
+
+def _round_robin(ids: list[str], weights: list[float], credits: dict[str, float]) -> str:
+    """Smooth weighted round-robin over ``ids`` (note "balanced shares"); updates ``credits``."""
+    total = sum(weights)
+    for pid, w in zip(ids, weights, strict=True):
+        # bounded: a peer skipped for a while (backoff, cap) returns without a hoard of credit
+        credits[pid] = max(-1.0, min(1.0, credits.get(pid, 0.0) + w / total))
+    chosen = max(ids, key=lambda pid: (credits[pid], pid))
+    credits[chosen] -= 1.0
+    return chosen
 
 
 def route_deadline_s(
@@ -293,6 +323,7 @@ class Router:
         self.config = config
         self._clock = clock
         self._rng = rng
+        self._credits: dict[str, float] = {}  # note "balanced shares"
         self.stats: dict[str, PeerStats] = {}
 
     def _st(self, peer: str) -> PeerStats:
@@ -314,6 +345,7 @@ class Router:
             config=self.config,
             avoid=avoid,
             max_per_peer=max_per_peer,
+            credits=self._credits,
         )
         for pid in route:
             st = self._st(pid)

@@ -244,3 +244,32 @@ def test_staleness_caps_share_a_stage_budget_among_its_replicas():
         2,
         None,
     ]
+
+
+def test_the_router_hands_replicas_balanced_shares_in_proportion_to_their_weights():
+    # note "balanced shares": every window of choices is within one micro-batch of the proportions
+    stages = [stage_of(rec("a"), rec("b")), stage_of(rec("c", 1, throughput=3000.0), rec("d", 1))]
+    router = Router(clock=FakeClock(), rng=random.Random(0))
+    routes = []
+    for _ in range(400):
+        route = router.route(stages)
+        routes.append(route)
+        for p in route:
+            router.release(p)  # nothing stays in flight: the weights stay the announced ones
+    firsts = [r[0] for r in routes]
+    for start in range(0, 400, 7):
+        window = Counter(firsts[start : start + 8])
+        assert abs(window[pid("a")] - window[pid("b")]) <= 1, window
+    seconds = Counter(r[1] for r in routes)
+    assert 2.8 < seconds[pid("c")] / seconds[pid("d")] < 3.2, seconds
+
+
+def test_round_robin_credit_is_bounded_for_a_peer_that_was_away():
+    credits: dict[str, float] = {}
+    stages = [stage_of(rec("a"), rec("b"))]
+    for _ in range(50):  # b backs off (only a is a candidate): b must not hoard credit meanwhile
+        choose_route([stage_of(rec("a"))], {}, now=0.0, rng=random.Random(0), credits=credits)
+    picks = Counter(
+        choose_route(stages, {}, now=0.0, rng=random.Random(0), credits=credits)[0] for _ in range(10)
+    )
+    assert picks[pid("a")] == picks[pid("b")] == 5
