@@ -599,6 +599,7 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
         },
         "peers_by_stage": summary.get("peers_by_stage"),
         "staleness": summary.get("staleness"),  # per stage: mean versions between forward and backward
+        "applied_staleness": summary.get("applied_staleness"),  # ... and the step that applied it
         "leftover_pids": leftovers,
     }
 

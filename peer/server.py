@@ -1102,6 +1102,8 @@ class StagePeer:
         stats[f"fwd_compute_s_{s}"] = res.compute_s
         stats[f"fwd_queue_s_{s}"] = waited
         stats[f"version_{s}"] = float(res.version)
+        if compute.is_last and h.mode == "train":  # its backward ran too: see _run_backward
+            stats[f"applied_staleness_{s}"] = float(compute.optimizer.staleness)
         if not compute.is_last:
             nxt = h.route[s + 1]
             payload = self._codecs[0].encode(res.output, stream=(nxt, s, "act"))
@@ -1173,6 +1175,9 @@ class StagePeer:
         stats[f"bwd_compute_s_{s}"] = res.compute_s
         stats[f"bwd_queue_s_{s}"] = waited
         stats[f"staleness_{s}"] = float(res.staleness)
+        # the EMA of versions between forward and the step that applies the gradient, which for a
+        # replica includes the wait for its round (note "applied staleness" in peer/compute.py)
+        stats[f"applied_staleness_{s}"] = float(compute.optimizer.staleness)
         self._after_backward(compute, fwd, res.grad_input, stats)
 
     def _after_backward(

@@ -112,15 +112,20 @@ def step_record(
 
     ``staleness`` maps a stage index (as a string) to the mean number of weight versions that stage
     stepped between a micro-batch's forward and its backward, over the step's ``step_micro_batches``
-    completed micro-batches (0 = no staleness, as in synchronous training)."""
+    completed micro-batches (0 = no staleness, as in synchronous training). ``applied_staleness``: the
+    same up to the step that *applies* the gradient, as the stage's peers estimate it (for replicas it
+    includes the wait for their round; the last stage is 0 unless it has replicas)."""
     per_token = {
         k: v / step_tokens for k, v in sorted(step_stats.items()) if "bytes" in k and step_tokens > 0
     }
-    staleness = {
-        k.removeprefix("staleness_"): round(v / step_micro_batches, 3)
-        for k, v in sorted(step_stats.items())
-        if k.startswith("staleness_") and step_micro_batches > 0
-    }
+    staleness, applied = (
+        {
+            k.removeprefix(prefix): round(v / step_micro_batches, 3)
+            for k, v in sorted(step_stats.items())
+            if k.startswith(prefix) and step_micro_batches > 0
+        }
+        for prefix in ("staleness_", "applied_staleness_")
+    )
     return {
         "type": "step",
         "step": step,
@@ -135,6 +140,7 @@ def step_record(
         "dropped": dropped,
         "inflight": inflight,
         "staleness": staleness,
+        "applied_staleness": applied,
     }
 
 
@@ -343,19 +349,21 @@ def summarize(
         "micro_batches": dict(totals),
         "peers_by_stage": {str(k): dict(v) for k, v in (peers_by_stage or {}).items()},
         "staleness": _mean_staleness(steps),
+        "applied_staleness": _mean_staleness(steps, "applied_staleness"),
     }
     if extra:
         summary.update(extra)
     return _finite(summary)
 
 
-def _mean_staleness(steps: list[Mapping[str, Any]]) -> dict[str, float]:
-    """Per stage, the mean staleness of the run's micro-batches (each step weighted by its tokens)."""
+def _mean_staleness(steps: list[Mapping[str, Any]], key: str = "staleness") -> dict[str, float]:
+    """Per stage, the mean staleness (``key``: ``staleness`` or ``applied_staleness``) of the run's
+    micro-batches (each step weighted by its tokens)."""
     sums: dict[str, float] = defaultdict(float)
     weights: dict[str, float] = defaultdict(float)
     for i, r in enumerate(steps):
         w = _step_tokens(steps, i)
-        for stage, v in (r.get("staleness") or {}).items():
+        for stage, v in (r.get(key) or {}).items():
             sums[stage] += v * w
             weights[stage] += w
     return {st: round(sums[st] / weights[st], 3) for st in sorted(sums, key=int) if weights[st] > 0}
@@ -393,6 +401,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(
             "staleness (versions between forward and backward, mean): "
             + ", ".join(f"stage {st} {v:.2f}" for st, v in summary["staleness"].items())
+        )
+    if any(summary.get("applied_staleness", {}).values()):
+        lines.append(
+            "applied staleness (versions between forward and the step applying it, peers' estimate): "
+            + ", ".join(f"stage {st} {v:.2f}" for st, v in summary["applied_staleness"].items())
         )
     peer_loss = summary.get("peer_loss", {})
     for stage, peers in sorted(summary.get("peers_by_stage", {}).items(), key=lambda kv: int(kv[0])):

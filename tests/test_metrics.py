@@ -173,7 +173,12 @@ def test_step_records_carry_per_stage_staleness_and_the_summary_its_mean():
                 loss=1.0,
                 tokens=100 * step,
                 step_tokens=100,
-                step_stats={"staleness_0": s0, "staleness_1": 0.0},
+                step_stats={
+                    "staleness_0": s0,
+                    "staleness_1": 0.0,
+                    "applied_staleness_0": s0 + 1.0,
+                    "applied_staleness_1": 1.4,
+                },
                 completed=2 * step,
                 dropped=0,
                 inflight=0,
@@ -184,3 +189,6 @@ def test_step_records_carry_per_stage_staleness_and_the_summary_its_mean():
     assert recs[0]["staleness"] == {"0": 1.0, "1": 0.0} and recs[1]["staleness"]["0"] == 3.0
     summary = summarize(recs, wall_s=2.0, totals={}, num_stages=2, d_model=8)
     assert summary["staleness"] == {"0": 2.0, "1": 0.0}
+    assert recs[0]["applied_staleness"] == {"0": 1.5, "1": 0.7}  # replicas: their rounds add some
+    assert summary["applied_staleness"] == {"0": 2.5, "1": 0.7}
+    assert "applied staleness (versions between forward and the step applying it" in format_summary(summary)
