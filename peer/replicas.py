@@ -141,6 +141,7 @@ class ReplicaRounds:
         "diverged",  # rounds that found this replica's weights off its group's
         "micro_batches_combined",  # stage-wide micro-batches of the rounds this replica stepped with
         "round_ms",  # milliseconds spent in completed rounds (waiting for the group included)
+        "group_late",  # completed rounds whose group was still forming when this share was complete
     )
 
     def __init__(
@@ -271,6 +272,7 @@ class ReplicaRounds:
             if scheduled is not None:
                 self.averager.cancel(scheduled.control)
             return self._failed(sums, count, version)
+        late = not self.averager.group_formed(scheduled.control)
         t0 = time.perf_counter()
         result = self.averager.finish(
             scheduled.control, sums, count, timeout_s=self.timeout_s() + ALLREDUCE_MARGIN_S
@@ -280,6 +282,7 @@ class ReplicaRounds:
         flat, mean_count, gathered = result
         took = time.perf_counter() - t0
         self.counters["round_ms"] += round(1000 * took)
+        self.counters["group_late"] += late
         self.round_s_ema = took if self.round_s_ema is None else 0.8 * self.round_s_ema + 0.2 * took
         logger.debug(
             "round at v%d: %d of %.0f micro-batches, %.3f s", version, count, mean_count * len(gathered), took
