@@ -22,8 +22,8 @@ every gradient of a step is computed on the same version, as in a synchronous pi
 
 Note "pre-scheduled rounds": hivemind's matchmaking (finding the group through the DHT) took most
 of a round on loopback (0.3-0.9 s against an all-reduce of tens of ms). So as soon as a share begins
-(its first gradient, or right after the previous round when gradients are already pending) the
-replica *schedules* its next round (``StageAverager.schedule``: hivemind's ``step(require_trigger=
+(its first gradient, or in async mode right after a round that combined work, when every partner
+does the same) the replica *schedules* its next round (``StageAverager.schedule``: hivemind's ``step(require_trigger=
 True, wait=False)``): the group forms while the share accumulates, and the all-reduce starts when the
 share is complete (``finish``). A scheduled round that no longer fits (the version changed by a
 download or a solo step, the replica count changed, or its group search ended without a group) is
@@ -308,8 +308,14 @@ class ReplicaRounds:
             )
         if outcome.catch_up and self._catch_up(outcome.newest):
             self.counters["caught_up"] += 1
-        if compute.replicas > 1 and compute.uncombined() > 0 and not self._stop.is_set():
-            self._schedule()  # the next share is on its way (async replicas kept serving)
+        # The next share is on its way (async replicas keep serving), and the partners finished this
+        # round at the same moment: looking for the next group now lets every member's matchmaking
+        # overlap the share, instead of starting with its first gradient (a replica whose share was
+        # complete first waited for the others' matchmaking, 0.3-1 s a round under load). Not after
+        # an empty round (traffic stopped), nor in sync mode, where the next window may never come.
+        busy = mean_count > 0 and not compute.sync
+        if compute.replicas > 1 and (busy or compute.uncombined() > 0) and not self._stop.is_set():
+            self._schedule()
         return stepped
 
     def quiet_s(self) -> float:
