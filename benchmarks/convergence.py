@@ -943,6 +943,15 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _mean_by_stage(per_run: list[dict[str, float] | None]) -> dict[str, float]:
+    """Per stage, the mean over the runs that report it (runs before the figure existed do not)."""
+    values: dict[str, list[float]] = {}
+    for d in per_run:
+        for stage, v in (d or {}).items():
+            values.setdefault(stage, []).append(float(v))
+    return {st: round(statistics.fmean(v), 2) for st, v in sorted(values.items(), key=lambda kv: int(kv[0]))}
+
+
 def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Per configuration and corpus: held-out loss and its ratio to the reference over seeds (mean, min,
     max, sample standard deviation), the target and whether the mean meets it, tokens/s (pure)."""
@@ -982,6 +991,7 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "step_counts": [
                     [s["step_count"] for s in r["export"]["stages"]] for r in runs if r.get("export")
                 ],
+                "applied_staleness": _mean_by_stage([r.get("applied_staleness") for r in runs]),
             }
         )
     failed = [{"key": r["key"], "error": r["error"]} for r in results if r.get("error")]
@@ -1090,7 +1100,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         f"tokens, {cfg['micro_batches'] // report['optimizer'].get('accumulate', 1)} optimizer steps per stage); "
         f"held-out loss of the final (for a swarm: exported) model on {cfg['eval_tokens']:,} held-out "
         f"tokens; seeds {seeds} (data stream and initial weights); in-flight micro-batches "
-        f"{cfg['max_inflight'] or 'max(2 x stages, peers)'}; churn run: a SIGKILL every "
+        f"{cfg['max_inflight'] or 'paced by the trainer (swarm/pacing.py) from the number of stages up to max(2 x stages, peers)'}"
+        "; churn run: a SIGKILL every "
         f"{cell(cfg['churn_every_s'], 'g')} s.",
         "",
         "Corpora: "
@@ -1108,8 +1119,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         "",
         "| configuration | corpus | seeds | held-out loss | ratio | min..max | target | | tokens/s (median, overall) "
         "| s per run "
-        "| peers killed | exported stage steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peers killed | exported stage steps | applied staleness by stage |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in a["rows"]:
         spread = (
@@ -1124,11 +1135,12 @@ def markdown_section(report: dict[str, Any]) -> str:
             f"{cell(r['tokens_per_s_mean'])}, {cell(r.get('tokens_per_s_overall_mean'))} | "
             f"{cell(r['wall_s_mean'])} | "
             f"{r['peers_killed'] if r['config'].endswith('churn') else '-'} | "
-            f"{', '.join('/'.join(map(str, c)) for c in r['step_counts']) or '-'} |"
+            f"{', '.join('/'.join(map(str, c)) for c in r['step_counts']) or '-'} | "
+            f"{' / '.join(f'{v:.2f}' for v in r.get('applied_staleness', {}).values()) or '-'} |"
         )
     for f in a["failed"]:
         lines.append(
-            f"| {f['key']} (failed: {' '.join(f['error'].split())[:100].replace('|', '/')})" + " |" * 12
+            f"| {f['key']} (failed: {' '.join(f['error'].split())[:100].replace('|', '/')})" + " |" * 13
         )
     tput = [r for r in a["rows"] if r["config"] == "p2-async-blockwise8"]
     if tput:
