@@ -160,8 +160,10 @@ class TrainerConfig:
     trainer keeps between the number of stages and this many, as many as keep the swarm busy
     (swarm/pacing.py, note "pacing"); without it, exactly this many. More in flight overlaps compute
     and transfers on more peers, but every one beyond what the swarm needs only waits in a queue and
-    makes gradients staler (BENCHMARKS.md, "Convergence": one peer per stage, 2 in flight 1.00 of one
-    process, 4 in flight 1.04)."""
+    makes gradients staler (BENCHMARKS.md, "Convergence": one peer per stage ends at 1.003 of one
+    process's held-out loss paced, 1.04 with 4 in flight). Pacing costs throughput where peers share
+    their machine with other work (BENCHMARKS.md, "Demo throughput"): ``--fixed-inflight`` trades
+    quality back for it."""
     pacing: bool = True
     """Adapt the in-flight count to the swarm (note "pacing"); False keeps ``max_inflight`` in flight."""
     max_attempts: int = 4
