@@ -26,9 +26,9 @@ micro-batches a trainer with the same seed would send. Per seed and optimizer, t
   peer/runtime.py), with unit costs (forward 1, backward 2 or 3 with recompute, last stage's
   forward+backward 3) and ``--latency`` units per message. Stage 0 then waits on its own backwards
   and about half the gradients are fresh (mean staleness ~0.5 version).
-- ``single``: the model of ``swarm.model.build_model`` trained in one process on the same micro-batches,
+- ``single``: the model of ``swarm.run.model.build_model`` trained in one process on the same micro-batches,
   with the project's optimizer (one ``StageOptimizer`` per stage, clipping per stage as the peers do)
-  or, for ``torch-adamw``, ``torch.optim.AdamW`` (clipping per stage too, as swarm/reference.py).
+  or, for ``torch-adamw``, ``torch.optim.AdamW`` (clipping per stage too, as swarm/train/reference.py).
 
 Schedules are data (note "replayed schedule"): lists of actions in start order (``0F3``: stage 0,
 forward, micro-batch 3; ``1L3``: last stage, loss and backward at once; ``0B3``: stage 0, backward).
@@ -64,7 +64,7 @@ import torch
 
 from benchmarks.markdown import MARKDOWN, write_section
 from swarm.errors import ConfigError
-from swarm.spec import OptimizerConfig, RunSpec
+from swarm.run.spec import OptimizerConfig, RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "async_replay.json"
@@ -74,7 +74,7 @@ MODES = ("single", "sync", "async", "async-sim")
 ASYNC_MODES = ("async", "async-sim")  # steady_schedule, simulated_schedule
 ASYNC_WITHIN = 1.02  # async may end at most 2% above sync (issue 13)
 SINGLE_WITHIN = 1.01  # the default optimizer in one process within 1% of torch AdamW (issue 13)
-TRAINER_MAX_INFLIGHT = 8  # swarm.trainer.TrainerConfig.max_inflight's default
+TRAINER_MAX_INFLIGHT = 8  # swarm.train.trainer.TrainerConfig.max_inflight's default
 
 Kind = Literal["F", "B", "L"]
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), both (B, T) long
@@ -99,8 +99,8 @@ class Action:
 
 def trainer_inflight(opt: OptimizerConfig, num_stages: int, max_inflight: int = TRAINER_MAX_INFLIGHT) -> int:
     """Micro-batches a trainer keeps in a swarm of one peer per stage, in async mode: the trainer's
-    ``max_inflight``, or less where ``swarm.routing.staleness_caps`` caps a stage (note "staleness cap")."""
-    from swarm.routing import staleness_caps
+    ``max_inflight``, or less where ``swarm.client.routing.staleness_caps`` caps a stage (note "staleness cap")."""
+    from swarm.client.routing import staleness_caps
 
     one_peer = [{"replay": _OnlinePeer()} for _ in range(num_stages)]
     caps = staleness_caps(one_peer, accumulate=opt.accumulate, max_versions=opt.max_versions, sync=False)
@@ -109,7 +109,7 @@ def trainer_inflight(opt: OptimizerConfig, num_stages: int, max_inflight: int = 
 
 @dataclass(frozen=True)
 class _OnlinePeer:
-    """The one online peer of a stage, as ``staleness_caps`` reads it (swarm.routing.PeerInfo)."""
+    """The one online peer of a stage, as ``staleness_caps`` reads it (swarm.client.routing.PeerInfo)."""
 
     peer_id: str = "replay"
     state: str = "online"
@@ -315,7 +315,7 @@ def variant_spec(
 @torch.no_grad()
 def held_out_loss(model: torch.nn.Module, eval_set: Sequence[Batch]) -> float:
     """Mean next-token loss over ``eval_set`` (equal-sized micro-batches, so also the token mean)."""
-    from swarm.model import lm_loss
+    from swarm.run.model import lm_loss
 
     losses = [float(lm_loss(model(tokens), targets)) for tokens, targets in eval_set]
     return sum(losses) / len(losses)
@@ -364,7 +364,7 @@ def run_pipeline(
 ) -> dict[str, Any]:
     """Execute ``schedule`` with one StageCompute per stage; held-out losses and staleness."""
     from peer.compute import StageCompute
-    from swarm.model import build_model
+    from swarm.run.model import build_model
 
     comps = [StageCompute(spec, s) for s in range(spec.num_stages)]
     model = build_model(spec)  # evaluation only: loaded from the stages' latest weights
@@ -432,8 +432,8 @@ def run_single(
     spec: RunSpec, name: str, batches: Sequence[Batch], eval_set: Sequence[Batch], progress: Progress
 ) -> dict[str, Any]:
     """One process, the whole model: ``torch.optim.AdamW`` or one StageOptimizer per stage."""
-    from peer.optimizer import StageOptimizer
-    from swarm.model import build_model, lm_loss
+    from swarm.run.model import build_model, lm_loss
+    from swarm.run.optimizer import StageOptimizer
 
     model = build_model(spec)
     ocfg = spec.optimizer
@@ -683,7 +683,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--eval-every", type=int, default=None, help="micro-batches between evaluations (default: 1/4)"
     )
     p.add_argument("--log-every", type=int, default=100, help="micro-batches between progress lines")
-    p.add_argument("--data-bytes", type=int, default=None, help="text read at most (default: swarm.data's)")
+    p.add_argument(
+        "--data-bytes", type=int, default=None, help="text read at most (default: swarm.train.data's)"
+    )
     p.add_argument("--wire-codecs", action="store_true", help="send boundaries through the spec's codecs")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 suits a shared machine)")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON results path")
@@ -712,7 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"updated the Async replay section of {MARKDOWN}")
         return 0
 
-    from swarm.data import DataConfig, build_data
+    from swarm.train.data import DataConfig, build_data
 
     torch.set_num_threads(args.threads)
     base = (

@@ -6,7 +6,7 @@ Run (from the repository root)::
     python -m benchmarks.chaos --stages 2            # one layout only
     python -m benchmarks.chaos --render              # print the BENCHMARKS.md section from results/chaos.json
 
-What runs, per layout (``swarm.demo.Demo`` on loopback: a bootstrap with a keeper, ``swarm peer``
+What runs, per layout (``swarm.tools.demo.Demo`` on loopback: a bootstrap with a keeper, ``swarm peer``
 processes; the trainer is a process of its own, ``--trainer-worker``, so that it can be SIGKILLed):
 
 1. a fault-free run of ``--steps`` trainer steps, then the held-out loss;
@@ -77,14 +77,14 @@ SPEC = {
 
 
 def make_spec(stages: int, run_id: str):  # type: ignore[no-untyped-def]
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     return RunSpec.from_dict(SPEC | {"stages": stages, "run_id": run_id})
 
 
 def make_demo(spec, out: Path, *, snapshot_interval_s: float):  # type: ignore[no-untyped-def]
-    from swarm.demo import Demo, DemoConfig
-    from swarm.keeper import KeeperConfig
+    from swarm.tools.demo import Demo, DemoConfig
+    from swarm.tools.keeper import KeeperConfig
 
     return Demo(
         DemoConfig(
@@ -102,7 +102,7 @@ def make_demo(spec, out: Path, *, snapshot_interval_s: float):  # type: ignore[n
 def trainer_config(maddr: str, run_id: str, out: Path, steps: int, *, resume: bool):  # type: ignore[no-untyped-def]
     """What the benchmark's trainer runs with (the resumed one too: ``resume=True`` is what
     ``swarm train --resume OUT`` builds)."""
-    from swarm.trainer import TrainerConfig
+    from swarm.train.trainer import TrainerConfig
 
     return TrainerConfig(
         initial_peers=(maddr,),
@@ -126,7 +126,7 @@ def trainer_worker(config_path: str) -> int:
     A ``Trainer`` that also writes two events the benchmark reads: ``bench_clock`` (this session's
     ``started``, on the machine-wide monotonic clock: a record's time + started = when it happened, and
     its p2p peer id) and ``first_completed`` (when this session's first training micro-batch completed)."""
-    from swarm.trainer import Trainer
+    from swarm.train.trainer import Trainer
 
     c = json.loads(Path(config_path).read_text())
 
@@ -168,7 +168,7 @@ class TrainerProcess:
 
 def spawn_trainer(demo, out: Path, steps: int, *, resume: bool) -> TrainerProcess:  # type: ignore[no-untyped-def]
     """Start the trainer as its own process (its own process group, like a peer)."""
-    from swarm.network import SOCKET_PREFIX_ENV
+    from swarm.dht.processes import SOCKET_PREFIX_ENV
 
     tag = "resume" if resume else "first"
     cfg_path = out.parent / f"{out.name}-{tag}.json"
@@ -416,7 +416,7 @@ def run_chaos(  # type: ignore[no-untyped-def]
     root: Path,
 ) -> dict[str, Any]:
     """The run with peer kills, a stage wipe and a trainer kill + resume."""
-    from swarm.processes import alive_in_groups, remove_stale_sockets
+    from swarm.dht.processes import alive_in_groups, remove_stale_sockets
 
     demo = make_demo(spec, root / f"s{stages}-chaos", snapshot_interval_s=snapshot_interval_s)
     out = root / f"s{stages}-chaos-train"
@@ -769,8 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render(json.loads(Path(args.out).read_text())))
         return 0
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
-    from swarm.network import SOCKET_PREFIX_ENV
-    from swarm.processes import child_socket_prefix
+    from swarm.dht.processes import SOCKET_PREFIX_ENV, child_socket_prefix
 
     os.environ.setdefault(SOCKET_PREFIX_ENV, child_socket_prefix("chaos"))
     results = {

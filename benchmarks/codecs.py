@@ -10,7 +10,7 @@ Tensors, all (8, 256, 1024) float32 (8 sequences of 256 tokens, hidden size 1024
 - ``outliers``: N(0, 1) with 6 channels (last-axis columns) scaled by 20..60, the pattern LLM
   activations show.
 - ``transformer_act``: the residual stream after 3 of 6 pre-LN ``nn.TransformerEncoderLayer`` s
-  (randomly initialised, byte-token embeddings, fixed seed); built here, independent of swarm/model.py.
+  (randomly initialised, byte-token embeddings, fixed seed); built here, independent of swarm/run/model.py.
 - ``transformer_grad``: the gradient of a next-byte loss with respect to that same hidden state,
   i.e. what a stage sends backwards.
 

@@ -12,15 +12,15 @@ Run (from the repository root; everything on loopback, no root needed)::
 What runs (:func:`plan`), for every corpus and seed, references first:
 
 - ``ref-stage``: the model trained in one process with the spec's own optimizer through
-  ``peer.optimizer.StageOptimizer``, one per stage, driven as stage peers drive theirs
+  ``swarm.run.optimizer.StageOptimizer``, one per stage, driven as stage peers drive theirs
   (``benchmarks/single_process.py``, ``--optimizer stage``). Every ratio is to this run.
 - ``ref-adamw``: the same with ``torch.optim.AdamW`` (the spec's lr, betas, weight decay): a second
   reference, which tells whether our optimizer itself costs anything.
 - ``ref-stage-ss32``: ``ref-stage`` of the subspace-constrained model (the reference of the ``-ss32`` runs).
-- swarms (``pP-MODE-CODEC``): a loopback swarm of ``P`` peers per stage (``swarm.demo.Demo``: a bootstrap,
+- swarms (``pP-MODE-CODEC``): a loopback swarm of ``P`` peers per stage (``swarm.tools.demo.Demo``: a bootstrap,
   ``swarm peer`` processes, a trainer), P in 1, 2, 4, mode sync / async, codec none / blockwise8
   (activations and gradients); ``p1-MODE-blockwise8-ss32``: the subspace model (``model.subspace:
-  {ratio: 32}``, k = d_model / 32 coefficients per token at a boundary, see swarm/subspace.py);
+  {ratio: 32}``, k = d_model / 32 coefficients per token at a boundary, see swarm/run/subspace.py);
   ``p2-async-blockwise8-churn``: every ``churn_every_s`` a random stage peer (of a stage with two online
   peers) is SIGKILLed (its process group) and a fresh peer started for its stage, which downloads the
   stage's state from the survivor.
@@ -28,8 +28,8 @@ What runs (:func:`plan`), for every corpus and seed, references first:
 Protocol: every run trains ``micro_batches`` micro-batches (equal tokens) of the same data stream: the
 trainer's ``--seed`` and the reference's data seed are the run's seed, which is also the spec's ``seed``
 (the initial weights). The held-out loss is that of the trained model on ``eval_tokens`` tokens of fixed,
-evenly spaced held-out windows (``swarm.reference.held_out_loss``): for a swarm, of the model
-``swarm export`` writes (``swarm.export.export_run`` while the peers still run, loaded with
+evenly spaced held-out windows (``swarm.train.reference.held_out_loss``): for a swarm, of the model
+``swarm export`` writes (``swarm.tools.export.export_run`` while the peers still run, loaded with
 ``load_model``); for a reference, of its final weights. Ratio = a run's held-out loss / ``ref-stage``'s of
 the same corpus, seed and model; per configuration the mean and the spread (min..max) over seeds.
 
@@ -43,10 +43,10 @@ the references step every ``accumulate`` micro-batches, so at equal tokens both 
 of steps. The exported stages' step counts are in each run's ``export`` record (compare them with
 ``micro_batches / accumulate``).
 
-Corpora (``CORPORA``): ``stdlib`` = swarm.data's default (the standard library's ``.py`` sources, the first
+Corpora (``CORPORA``): ``stdlib`` = swarm.train.data's default (the standard library's ``.py`` sources, the first
 ``data_bytes``); ``pydoc`` = Python's own reference documentation, the text ``help()`` shows
 (``pydoc_data/topics.py``, ~0.75 MB of prose, part of every CPython standard library on Linux, macOS and
-Windows). ``--corpus NAME=PATH`` adds or replaces one. The held-out fraction is raised above swarm.data's
+Windows). ``--corpus NAME=PATH`` adds or replaces one. The held-out fraction is raised above swarm.train.data's
 5% where a corpus needs it to hold ``eval_tokens`` in non-overlapping windows.
 
 Outputs: ``benchmarks/results/NAME.json`` (every run: configuration, seed, corpus, tokens, held-out loss,
@@ -81,10 +81,14 @@ from typing import Any
 from benchmarks.markdown import MARKDOWN, write_section
 from benchmarks.pipelining_baseline import ROOT, _load_spec
 from benchmarks.report import cell, machine_info, smooth
-from swarm.data import DEFAULT_MAX_BYTES
+from swarm.dht.processes import (
+    SOCKET_PREFIX_ENV,
+    child_socket_prefix,
+    remove_stale_sockets,
+    terminate_as_interrupt,
+)
 from swarm.errors import ConfigError, SwarmError
-from swarm.network import SOCKET_PREFIX_ENV
-from swarm.processes import child_socket_prefix, remove_stale_sockets, terminate_as_interrupt
+from swarm.train.data import DEFAULT_MAX_BYTES
 
 __all__ = [
     "CORPORA",
@@ -130,7 +134,7 @@ class ConvergenceConfig:
     corpus_paths: dict[str, str] = field(default_factory=dict)
     """Corpora added or replaced by name: ``{name: file or directory}`` (``--corpus NAME=PATH``)."""
     data_bytes: int = DEFAULT_MAX_BYTES
-    """Text read per corpus (swarm.data's ``max_bytes``)."""
+    """Text read per corpus (swarm.train.data's ``max_bytes``)."""
     peers: tuple[int, ...] = (1, 2, 4)
     """Peers per stage of the swarm layouts."""
     modes: tuple[str, ...] = ("sync", "async")
@@ -322,7 +326,7 @@ def target_for(job: Job) -> float | None:
 
 def job_spec(cfg: ConvergenceConfig, job: Job, *, tag: str = ""):
     """The ``RunSpec`` of one run: the base spec, the run's seed, codec, mode and model."""
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     data = base_spec_dict(cfg)
     data["run_id"] = f"conv-{job.config}-{job.corpus}-s{job.seed}{tag}"[:64]
@@ -349,7 +353,7 @@ def job_spec(cfg: ConvergenceConfig, job: Job, *, tag: str = ""):
 class Corpus:
     name: str
     source: str | None
-    """A ``swarm.data`` source (file or directory); None = swarm.data's default corpus."""
+    """A ``swarm.train.data`` source (file or directory); None = swarm.train.data's default corpus."""
     about: str
 
 
@@ -360,7 +364,7 @@ def _pydoc_topics() -> str | None:
 
 CORPORA: dict[str, Callable[[], Corpus]] = {
     "stdlib": lambda: Corpus(
-        "stdlib", None, "the Python standard library's .py sources (swarm.data's default)"
+        "stdlib", None, "the Python standard library's .py sources (swarm.train.data's default)"
     ),
     "pydoc": lambda: Corpus(
         "pydoc",
@@ -408,8 +412,8 @@ def held_out_fraction(
 
 
 def corpus_data(cfg: ConvergenceConfig, corpus: Corpus, spec) -> dict[str, Any]:
-    """What every run on ``corpus`` reads: its ``swarm.data.DataConfig`` fields and sizes."""
-    from swarm.data import read_documents
+    """What every run on ``corpus`` reads: its ``swarm.train.data.DataConfig`` fields and sizes."""
+    from swarm.train.data import read_documents
 
     docs = read_documents(corpus.source, max_bytes=cfg.data_bytes)
     n = len("\n".join(docs).encode("utf-8", errors="replace"))  # byte-level tokens
@@ -428,7 +432,7 @@ def corpus_data(cfg: ConvergenceConfig, corpus: Corpus, spec) -> dict[str, Any]:
 
 
 def _data_config(data: dict[str, Any]):
-    from swarm.data import DataConfig
+    from swarm.train.data import DataConfig
 
     return DataConfig(
         source=data["source"], max_bytes=data["max_bytes"], held_out_fraction=data["held_out_fraction"]
@@ -502,13 +506,13 @@ async def _train(demo, trainer, churn_every_s: float | None, seed: int, kills: l
 def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], work: Path) -> dict[str, Any]:
     """One swarm run in this process (the worker): start, train, export, stop; then evaluate the export."""
     from benchmarks.links import swarm_figures
-    from swarm.data import build_data
-    from swarm.demo import Demo, DemoConfig
-    from swarm.export import ExportConfig, export_run, load_model
-    from swarm.metrics import read_metrics
-    from swarm.network import DHTConfig
-    from swarm.reference import held_out_loss
-    from swarm.trainer import Trainer, TrainerConfig, inflight_rule_of_thumb
+    from swarm.dht.network import DHTConfig
+    from swarm.tools.demo import Demo, DemoConfig
+    from swarm.tools.export import ExportConfig, export_run, load_model
+    from swarm.train.data import build_data
+    from swarm.train.metrics import read_metrics
+    from swarm.train.reference import held_out_loss
+    from swarm.train.trainer import Trainer, TrainerConfig, inflight_rule_of_thumb
 
     dcfg = _data_config(data)
     tokens = cfg.micro_batches * spec.tokens_per_micro_batch
@@ -537,7 +541,8 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
                 data=dcfg,
                 tokens=tokens,
                 max_inflight=inflight,
-                pacing=cfg.max_inflight is None,  # --max-inflight K: exactly K (swarm/pacing.py otherwise)
+                pacing=cfg.max_inflight
+                is None,  # --max-inflight K: exactly K (swarm/train/pacing.py otherwise)
                 max_attempts=8,
                 out_dir=str(work / "train"),
                 seed=job.seed,
@@ -605,7 +610,7 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
 
 
 def _worker_main(job_path: str, out_path: str) -> int:
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     payload = json.loads(Path(job_path).read_text())
     cfg = _config_from_dict(payload["config"])
@@ -670,7 +675,7 @@ class _Progress:
         self._thread.join(2)
 
     def _loop(self) -> None:
-        from swarm.metrics import read_metrics
+        from swarm.train.metrics import read_metrics
 
         while not self._stop.wait(self.every_s):
             steps = read_metrics(self.path, "step") if self.path.exists() else []
@@ -1100,7 +1105,7 @@ def markdown_section(report: dict[str, Any]) -> str:
         f"tokens, {cfg['micro_batches'] // report['optimizer'].get('accumulate', 1)} optimizer steps per stage); "
         f"held-out loss of the final (for a swarm: exported) model on {cfg['eval_tokens']:,} held-out "
         f"tokens; seeds {seeds} (data stream and initial weights); in-flight micro-batches "
-        f"{cfg['max_inflight'] or 'paced by the trainer (swarm/pacing.py) from the number of stages up to max(2 x stages, peers)'}"
+        f"{cfg['max_inflight'] or 'paced by the trainer (swarm/train/pacing.py) from the number of stages up to max(2 x stages, peers)'}"
         "; churn run: a SIGKILL every "
         f"{cell(cfg['churn_every_s'], 'g')} s.",
         "",

@@ -6,7 +6,7 @@ Run (from the repository root)::
     python -m benchmarks.failover --kills 8 --group  # SIGKILL the peer's whole process group instead
     python -m benchmarks.failover --baseline       # failure detection off (deadlines only), to compare
 
-What runs: a loopback swarm (``swarm.demo.Demo``: bootstrap, ``swarm peer`` processes pinned to their
+What runs: a loopback swarm (``swarm.tools.demo.Demo``: bootstrap, ``swarm peer`` processes pinned to their
 stages) and a ``Trainer`` in this process. Every few seconds, once a peer holds some of the trainer's
 micro-batches (its queue, its sends, its stash), that peer is killed with SIGKILL (the peer process
 only, as a crash would; ``--group``: with its DHT process and p2pd) and a fresh peer is started for its
@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarm.demo import Demo, DemoConfig
-from swarm.liveness import LivenessConfig
-from swarm.spec import RunSpec
-from swarm.trainer import Trainer, TrainerConfig
+from swarm.client.liveness import LivenessConfig
+from swarm.run.spec import RunSpec
+from swarm.tools.demo import Demo, DemoConfig
+from swarm.train.trainer import Trainer, TrainerConfig
 
 SPEC = {
     "run_id": "failover",

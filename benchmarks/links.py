@@ -68,9 +68,8 @@ from benchmarks.report import cell as _f
 from benchmarks.report import machine_info
 from benchmarks.report import smooth as _smooth
 from benchmarks.single_process import SingleConfig, run_single
+from swarm.dht.processes import SOCKET_PREFIX_ENV, child_socket_prefix, remove_stale_sockets
 from swarm.errors import ConfigError, SwarmError
-from swarm.network import SOCKET_PREFIX_ENV
-from swarm.processes import child_socket_prefix, remove_stale_sockets
 
 __all__ = ["LinksConfig", "Job", "plan", "run_swarm", "analyse", "markdown_section", "main"]
 
@@ -134,7 +133,7 @@ class LinksConfig:
     loopback: bool = False
     """Run without namespaces (no rates other than none)."""
     data_bytes: int | None = None
-    """Text read by trainers and baselines (None = swarm.data's default)."""
+    """Text read by trainers and baselines (None = swarm.train.data's default)."""
     start_timeout_s: float = 240.0
     run_timeout_s: float = 1800.0
 
@@ -339,7 +338,7 @@ def write_spec(
     """A YAML spec for one swarm run (``swarm init`` reads YAML); validated by loading it back."""
     import yaml
 
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     data = base_spec_dict(cfg)
     data["run_id"] = run_id
@@ -447,7 +446,7 @@ def _wait_for(
 
 def socket_prefix() -> str:
     """The hivemind socket-file prefix of this benchmark's swarm processes: what processes stopped with
-    SIGKILL leave is removed after each run (:func:`swarm.processes.remove_stale_sockets`), and only that."""
+    SIGKILL leave is removed after each run (:func:`swarm.dht.processes.remove_stale_sockets`), and only that."""
     return child_socket_prefix("links")
 
 
@@ -495,7 +494,7 @@ def run_swarm(
     sub = f"-ss{job.subspace}" if job.subspace else ""
     run_id = f"links-{job.codec.split(':')[0]}{sub}-{job.mode}-{job.rate}-{os.getpid()}"
     spec_path = write_spec(cfg, work, run_id, job.codec, job.mode, job.subspace)
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     spec = RunSpec.from_yaml(spec_path)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // spec.num_stages)
@@ -1117,7 +1116,7 @@ def run_all(
     results_dir: Path = RESULTS_DIR,
 ) -> dict[str, Any]:
     """Run ``jobs`` in one lab; write ``results/NAME.json`` after every job (partial results survive)."""
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     results_dir.mkdir(parents=True, exist_ok=True)
     base = base_spec_dict(cfg)

@@ -1,6 +1,6 @@
 """The baseline a user would otherwise pick: ``torch.distributed.pipelining`` over gloo.
 
-One process per stage (rank ``i`` holds ``swarm.model.build_stage(spec, i)``, so the weights are the
+One process per stage (rank ``i`` holds ``swarm.run.model.build_stage(spec, i)``, so the weights are the
 swarm's), the same micro-batches (``spec.micro_batch_size`` sequences of ``model.seq_len`` tokens,
 drawn from the same data with the same seed as a trainer), GPipe or 1F1B schedule, ``n_micro``
 micro-batches per optimizer step, AdamW with the spec's learning rate schedule and per-stage clipping
@@ -59,7 +59,7 @@ class PipeConfig:
     seed: int = 0
     """Data seed (the trainer's ``--seed``): the same micro-batches a swarm trainer with it reads."""
     data_bytes: int | None = None
-    """Read at most this much text (None = swarm.data's default)."""
+    """Read at most this much text (None = swarm.train.data's default)."""
     threads: int = 1
     """torch threads per rank (OMP_NUM_THREADS); the swarm's stage peers get the same."""
     timeout_s: float = 1800.0
@@ -94,7 +94,7 @@ def peak_rss_bytes(pid: int | None = None) -> int | None:
 
 
 def _load_spec(path: str):
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     if path.endswith(".json"):
         return RunSpec.from_json(Path(path).read_bytes())
@@ -107,8 +107,8 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from swarm.data import DataConfig, build_data
-    from swarm.model import build_stage, lm_loss
+    from swarm.run.model import build_stage, lm_loss
+    from swarm.train.data import DataConfig, build_data
 
     torch.set_num_threads(cfg.threads)
     spec = _load_spec(cfg.spec_path)

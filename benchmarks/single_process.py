@@ -1,18 +1,18 @@
 """The same model trained in one process: the compute-bound limit of this machine.
 
-No network, no pipeline: ``swarm.model.build_model(spec)`` (the stages chained, identical weights), the
-same micro-batches as a swarm trainer with the same seed and data (``swarm.data``), ``accumulate``
+No network, no pipeline: ``swarm.run.model.build_model(spec)`` (the stages chained, identical weights), the
+same micro-batches as a swarm trainer with the same seed and data (``swarm.train.data``), ``accumulate``
 micro-batches per optimizer step, the spec's schedule and clipping *per stage* (what each stage peer
 does, so the only difference to the swarm is the distribution). Two optimizers (``--optimizer``):
 
 - ``torch_adamw``: ``torch.optim.AdamW`` with the spec's lr, betas and weight decay (whatever
   ``optimizer.name`` says); the default, and the reference of ``benchmarks/links.py``;
-- ``stage``: the spec's own optimizer through ``peer.optimizer.StageOptimizer``, one per stage, fed
+- ``stage``: the spec's own optimizer through ``swarm.run.optimizer.StageOptimizer``, one per stage, fed
   exactly as a stage peer feeds it (gradients of ``accumulate`` micro-batches, then a step); the
   reference of ``benchmarks/convergence.py``.
 
 With ``eval_tokens`` the trained model's held-out loss is measured at the end (:func:`held_out_loss`:
-the fixed, evenly spaced held-out windows of ``swarm.data.TokenData``, the same ones an exported swarm
+the fixed, evenly spaced held-out windows of ``swarm.train.data.TokenData``, the same ones an exported swarm
 model is evaluated on). It uses every core unless told otherwise.
 
 Run::
@@ -40,7 +40,7 @@ from typing import Any
 
 from benchmarks.pipelining_baseline import ROOT, _load_spec, peak_rss_bytes
 from swarm.errors import ConfigError, SwarmError
-from swarm.reference import StageOptimizers, held_out_loss
+from swarm.train.reference import StageOptimizers, held_out_loss
 
 __all__ = ["OPTIMIZERS", "SingleConfig", "held_out_loss", "run_single", "train_single"]
 
@@ -62,16 +62,16 @@ class SingleConfig:
     seed: int = 0
     """Data seed (a trainer's ``--seed``)."""
     data_bytes: int | None = None
-    """Read at most this much text (None = swarm.data's default)."""
+    """Read at most this much text (None = swarm.train.data's default)."""
     threads: int | None = None
     """torch threads; None = torch's default (every core)."""
     timeout_s: float = 1800.0
     optimizer: str = "torch_adamw"
     """``torch_adamw`` or ``stage`` (the spec's optimizer via ``StageOptimizer``); see the module docstring."""
     data_source: str | None = None
-    """``swarm.data`` source (a trainer's ``--data``); None = the standard-library corpus."""
+    """``swarm.train.data`` source (a trainer's ``--data``); None = the standard-library corpus."""
     held_out_fraction: float | None = None
-    """Held-out fraction of the token stream (None = swarm.data's default). A trainer must use the same
+    """Held-out fraction of the token stream (None = swarm.train.data's default). A trainer must use the same
     value to read the same training windows."""
     eval_tokens: int = 0
     """Held-out tokens evaluated after training (rounded up to whole micro-batches); 0 = no evaluation."""
@@ -92,8 +92,8 @@ class SingleConfig:
 
 
 def data_config(cfg: SingleConfig):
-    """The ``swarm.data.DataConfig`` a trainer given the same options would use."""
-    from swarm.data import DataConfig
+    """The ``swarm.train.data.DataConfig`` a trainer given the same options would use."""
+    from swarm.train.data import DataConfig
 
     kw: dict[str, Any] = {"source": cfg.data_source}
     if cfg.data_bytes is not None:
@@ -107,8 +107,8 @@ def train_single(cfg: SingleConfig) -> dict[str, Any]:
     """Train in this process; per-step times and losses, peak RSS, and the held-out loss if asked."""
     import torch
 
-    from swarm.data import build_data
-    from swarm.model import build_model, lm_loss
+    from swarm.run.model import build_model, lm_loss
+    from swarm.train.data import build_data
 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)

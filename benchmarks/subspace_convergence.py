@@ -16,7 +16,7 @@ byte-level decoder (d_model 256, 4 layers, one layer per stage):
 - ``k=d/32`` and ``k=d/100``: ``model.subspace`` with ``ratio`` 32 and 100 (k = 8 and 2 at d = 256).
 
 Every training step runs the way the swarm runs it: stage by stage, each boundary crossing through
-``swarm.subspace.make_boundary`` (encode, the ``--codec`` codec, decode; the identity boundary for
+``swarm.run.subspace.make_boundary`` (encode, the ``--codec`` codec, decode; the identity boundary for
 ``full``) forward and backward, one AdamW per stage with the stage's own gradient clipping. With the
 default ``--codec none`` the boundaries are exact, so the constrained runs measure the constraint
 alone. Data: bytes of the Python standard library's ``.py`` sources (``sysconfig.get_paths()["stdlib"]``),
@@ -47,9 +47,9 @@ import torch
 
 from benchmarks.markdown import MARKDOWN, write_section
 from compression import decode_any, get_codec
-from swarm.model import build_model, lm_loss
-from swarm.spec import RunSpec
-from swarm.subspace import Boundary, make_boundary
+from swarm.run.model import build_model, lm_loss
+from swarm.run.spec import RunSpec
+from swarm.run.subspace import Boundary, make_boundary
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "subspace_convergence.json"
@@ -439,7 +439,7 @@ def reading(report: dict) -> list[str]:
         "layers must pass all context to the free last stage through them. The paper's 99% compression "
         "(k = d/100) is reported for billion-parameter models, where d/100 is tens of numbers per token.",
         "The constrained projections start at the ordinary residual init std (chosen by a 150-step "
-        "ablation on this setup, see `_init_` in swarm/model.py); queries, keys, values, SwiGLU gate/up, "
+        "ablation on this setup, see `_init_` in swarm/run/model.py); queries, keys, values, SwiGLU gate/up, "
         "norms, the last stage and the head start bit-identical to the ordinary model's.",
         "Bytes are per token and per boundary crossing, headers included, measured by encoding the trained "
         "models' real boundary tensors (forward shown; backward sizes, in the JSON, are the same "

@@ -22,8 +22,8 @@ import torch
 
 from peer.compute import StageCompute
 from peer.runtime import ComputeQueue
-from swarm.model import autocast_dtype
-from swarm.spec import RunSpec
+from swarm.run.model import autocast_dtype
+from swarm.run.spec import RunSpec
 
 
 def main(argv: list[str] | None = None) -> int:

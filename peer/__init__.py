@@ -1,9 +1,10 @@
 """peer: everything one stage peer does.
 
+It builds on ``swarm.run`` (spec, model, optimizer), ``swarm.wire`` (the protocol) and ``swarm.dht``
+(records, membership, access) only, never on the trainer or the tools (docs/ARCHITECTURE.md).
+
 Map of modules:
-- ``protocol``: the data-plane messages (FORWARD, BACKWARD, INFO, REPORT) over hivemind P2P.
 - ``stash``: weight versions and the per-micro-batch stash (weight stashing, TTL expiry).
-- ``optimizer``: the local out-of-place optimizer (AdamW, delay-aware Nesterov), accumulation, clipping.
 - ``compute``: the stage's forward/backward with stashed versions and local steps (no network).
 - ``runtime``: the bounded compute queue and its single worker thread.
 - ``checkpoint``: atomic save/load of a stage's state.
@@ -18,7 +19,6 @@ from peer.averaging import StageAverager, averager_prefix
 from peer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from peer.compute import BackwardResult, ForwardResult, StageCompute
 from peer.config import PeerConfig, resolve_device
-from peer.optimizer import StageOptimizer, lookahead_coefficient
 from peer.runner import run_peer, serve_until_stopped
 from peer.runtime import ComputeQueue, QueueStats
 from peer.server import StagePeer
@@ -40,8 +40,6 @@ __all__ = [
     "StageCompute",
     "ForwardResult",
     "BackwardResult",
-    "StageOptimizer",
-    "lookahead_coefficient",
     "ComputeQueue",
     "QueueStats",
     "MicroBatchStash",

@@ -22,7 +22,7 @@ per round to the number of online replicas (min = target, so a round never split
 groups that step differently), and each member's version and weight digest travel in hivemind's
 ``gather``. A round blocks, so it runs in the replica rounds' thread, never on the event loop.
 
-Access (private runs, allow/deny lists; see swarm/auth.py): hivemind's averaging RPCs carry no room
+Access (private runs, allow/deny lists; see swarm/dht/auth.py): hivemind's averaging RPCs carry no room
 for our proofs, so the averager process keeps a set of *authorized peer ids* (digests in shared
 memory, written by the peer process from the DHT records whose join proofs it verified). When the
 set is active the averager refuses ``rpc_download_state``, ``rpc_join_group`` and
@@ -171,7 +171,7 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
             return meta, [_flatten(tensors)], None
 
         def run(self) -> None:  # runs in the averager's own process: it must not outlive its peer
-            from swarm.processes import exit_with_parent
+            from swarm.dht.processes import exit_with_parent
 
             exit_with_parent()
             quiet_donor_failures()  # inherited from the parent when forked; spawned children need it too

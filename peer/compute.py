@@ -17,13 +17,13 @@ Sync mode (``optimizer.mode == "sync"``): at most ``accumulate`` training forwar
 backwards have all arrived (or were dropped). So every gradient of a step is computed on the same
 version, exactly like a synchronous pipeline.
 
-Stage boundaries: what a stage sends on and receives back goes through ``swarm.subspace``'s
+Stage boundaries: what a stage sends on and receives back goes through ``swarm.run.subspace``'s
 ``Boundary`` on the compute device: in a subspace-constrained run the ``k`` coefficients
 ``U^T (h - E_fix[tokens])`` forward and ``U^T g`` backward (``width = k``), otherwise the hidden
 state itself (``width = d_model``). So ``forward`` takes ``(B, T, width)`` plus the token ids and
 ``backward`` takes and returns ``(B, T, width)`` tensors.
 
-Note "applied staleness": what the look-ahead needs (peer/optimizer.py, note "extrapolated weights")
+Note "applied staleness": what the look-ahead needs (swarm/run/optimizer.py, note "extrapolated weights")
 is how many versions after its forward a micro-batch's gradient is *applied*. A lone peer steps as soon
 as a step's gradients are in, so that is the staleness at its backward. A replica's share waits for
 its round, and async replicas keep serving meanwhile, so a share accumulated during a round is
@@ -50,11 +50,11 @@ from typing import Any, Literal
 import torch
 from torch.func import functional_call
 
-from peer.optimizer import StageOptimizer
 from peer.stash import MicroBatchStash, StashEntry, WeightVersions
 from swarm.errors import RequestError
-from swarm.model import autocast_dtype, build_stage, lm_loss
-from swarm.spec import RunSpec
+from swarm.run.model import autocast_dtype, build_stage, lm_loss
+from swarm.run.optimizer import StageOptimizer
+from swarm.run.spec import RunSpec
 
 __all__ = ["StageCompute", "ForwardResult", "BackwardResult"]
 
@@ -123,7 +123,7 @@ class StageCompute:
         device: torch.device | str = "cpu",
         clock: Callable[[], float] = time.monotonic,
     ):
-        from swarm.subspace import make_boundary
+        from swarm.run.subspace import make_boundary
 
         self.spec = spec
         self.stage = stage
@@ -136,7 +136,7 @@ class StageCompute:
         for p in self.module.parameters():
             p.data = torch.empty(0, device=self.device)
         self.autocast = autocast_dtype(spec, self.device)
-        # What crosses a stage boundary (see swarm/subspace.py): subspace coefficients (B, T, k) in a
+        # What crosses a stage boundary (see swarm/run/subspace.py): subspace coefficients (B, T, k) in a
         # subspace-constrained run, the hidden state itself otherwise. Applied on the compute device.
         self.boundary = make_boundary(spec, self.device)
         self.width = self.boundary.width

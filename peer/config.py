@@ -63,7 +63,7 @@ class PeerConfig:
     rebalance: bool | None = None
     """Move to another stage when placement says so; None = only when ``stage == "auto"``."""
     rebalance_margin: float = 0.2
-    """Relative improvement of the swarm's bottleneck a move must bring (see swarm/placement.py)."""
+    """Relative improvement of the swarm's bottleneck a move must bring (see swarm/dht/placement.py)."""
     slowdown_s: float = 0.0
     """Artificial extra delay per micro-batch (seconds, added to every forward) to emulate a slow
     peer in straggler tests and demos; 0 = none. The announced throughput accounts for it."""
@@ -92,7 +92,7 @@ class PeerConfig:
     max_payload_bytes: int = 256 << 20
     """Largest activation/gradient message this peer accepts (bytes)."""
     secret: bytes | None = field(default=None, repr=False)
-    """The join secret of a private run (``swarm.auth.load_secret``); None for public runs. A private
+    """The join secret of a private run (``swarm.dht.auth.load_secret``); None for public runs. A private
     run refuses to start without the right one."""
     max_queue_per_sender: int | None = None
     """Compute tasks one sender may have queued here; None = three quarters of ``max_queue``, so a
@@ -106,7 +106,7 @@ class PeerConfig:
     start_fresh: bool = False
     """Start a stage from its initial weights even though the run has trained and no live replica,
     keeper snapshot or checkpoint of the stage can be loaded (otherwise the peer refuses to start:
-    ``swarm.snapshots.StageStateLost``). The event is published for trainers and monitors."""
+    ``swarm.dht.snapshots.StageStateLost``). The event is published for trainers and monitors."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -155,7 +155,7 @@ class PeerConfig:
             raise ConfigError(f"max_queue_per_sender={per_sender!r} must be an integer >= 1 (or None)")
         if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) != 32):
             raise ConfigError(
-                "secret must be the 32 bytes of a join secret (swarm.auth.load_secret reads it)"
+                "secret must be the 32 bytes of a join secret (swarm.dht.auth.load_secret reads it)"
             )
         if not isinstance(self.start_fresh, bool):
             raise ConfigError(f"start_fresh={self.start_fresh!r} must be True or False")

@@ -15,7 +15,7 @@ hands its network sends back to the loop with ``run_coroutine_threadsafe``. Aver
 in their own thread and apply their result under the compute lock between micro-batches. Every
 background task belongs to ``self._tasks`` and is cancelled in ``shutdown``.
 
-Data plane (see ``peer/protocol.py`` for the message flow): a request is validated completely
+Data plane (see ``swarm/wire/protocol.py`` for the message flow): a request is validated completely
 (run, spec hash, stage, route, token range, codec header shape before decoding, finite values) and
 then queued; the reply is the ack with the queue length. A peer that cannot deliver to the next hop
 reports ``failed`` to the trainer, naming that hop, and drops its stash entry.
@@ -47,7 +47,13 @@ from peer.averaging import StageAverager
 from peer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from peer.compute import StageCompute
 from peer.config import PeerConfig, resolve_device
-from peer.protocol import (
+from peer.replicas import ReplicaRounds, RoundsConfig
+from peer.runtime import ComputeQueue
+from peer.stash import VersionEvicted
+from peer.throughput import ServedRate, measure_throughput, store_throughput
+from swarm.dht.auth import AuthError, PenaltyBox, RunAuth, SenderLimiter
+from swarm.errors import ConfigError, PeerFailure, RequestError, SwarmError
+from swarm.wire.protocol import (
     BACKWARD,
     CANCEL,
     FORWARD,
@@ -62,12 +68,6 @@ from peer.protocol import (
     serve,
     unpack_tokens,
 )
-from peer.replicas import ReplicaRounds, RoundsConfig
-from peer.runtime import ComputeQueue
-from peer.stash import VersionEvicted
-from peer.throughput import ServedRate, measure_throughput, store_throughput
-from swarm.auth import AuthError, PenaltyBox, RunAuth, SenderLimiter
-from swarm.errors import ConfigError, PeerFailure, RequestError, SwarmError
 
 __all__ = ["StagePeer"]
 
@@ -80,7 +80,7 @@ _PING_TIMEOUT_S = 2.0  # an INFO call that tells a live same-stage replica from 
 _TRAINER_QUIET_S = 5.0
 _GONE_TRAINERS = 256  # trainers remembered as gone (their late micro-batches are dropped)
 _CANCELLED = 8192  # cancelled (trainer, mb_id) pairs remembered
-_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as in swarm/records.py
+_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as in swarm/dht/records.py
 
 
 class StagePeer:
@@ -88,7 +88,7 @@ class StagePeer:
 
     def __init__(self, config: PeerConfig):
         self.config = config
-        self.spec: Any = None  # swarm.spec.RunSpec once started
+        self.spec: Any = None  # swarm.run.spec.RunSpec once started
         self.device = torch.device(resolve_device(config.device))
         self.state = "starting"  # starting | joining | online | leaving | stopped
         self.throughput = 0.0
@@ -106,7 +106,7 @@ class StagePeer:
             "cancelled": 0,  # micro-batches dropped because their trainer cancelled them (CANCEL)
             "trainer_gone": 0,  # micro-batches dropped because their trainer could not be reached
         }
-        self.auth: Any = None  # swarm.auth.RunAuth once the spec is known
+        self.auth: Any = None  # swarm.dht.auth.RunAuth once the spec is known
         self._penalties = PenaltyBox(config.penalty_s)
         self._limiter = SenderLimiter(config.max_queue_per_sender)
         self.loaded_from = ""  # "peer", "checkpoint" or "seed": where the stage's state came from
@@ -170,7 +170,7 @@ class StagePeer:
         return self._dht
 
     def visible_maddrs(self) -> list[str]:
-        from swarm.network import visible_maddrs
+        from swarm.dht.network import visible_maddrs
 
         return visible_maddrs(self._dht)
 
@@ -201,8 +201,8 @@ class StagePeer:
 
     async def start(self) -> None:
         """Join the run and serve. On failure everything started so far is shut down again."""
-        from swarm.membership import Membership
-        from swarm.network import DHTConfig, reachability_warning, start_dht, visible_maddrs
+        from swarm.dht.membership import Membership
+        from swarm.dht.network import DHTConfig, reachability_warning, start_dht, visible_maddrs
 
         cfg = self.config
         self._loop = asyncio.get_running_loop()
@@ -297,7 +297,7 @@ class StagePeer:
             return stage
         if resume is not None and resume.stage < n:
             return resume.stage  # resume where this peer left off; rebalancing may move it later
-        from swarm.placement import choose_stage
+        from swarm.dht.placement import choose_stage
 
         records = await asyncio.to_thread(self._membership.all_stage_records)
         # choose_stage does not depend on our own throughput (the weakest stage gains most from
@@ -352,7 +352,9 @@ class StagePeer:
         records = await asyncio.to_thread(self._membership.stage_records, stage)
         others = [r for pid, r in records.items() if pid != self.peer_id and r.state == "online"]
         loaded = None
-        snapshot = None  # a keeper's snapshot (swarm/keeper.py): the fallback when no live replica answers
+        snapshot = (
+            None  # a keeper's snapshot (swarm/tools/keeper.py): the fallback when no live replica answers
+        )
         # a dead replica's donor declaration outlives it by up to 10 s and may hold up an attempt: retry
         # when someone (a live replica or a keeper) should be able to send the state
         attempts = 3 if others or await self._keeper_holds(stage) else 1
@@ -414,8 +416,8 @@ class StagePeer:
         """No live replica sent the stage's state: take the newest of a keeper's snapshot and this peer's
         checkpoint; with neither, start from the spec's seed only if the run has not trained (or with
         ``start_fresh``), else raise ``StageStateLost``. In a trained run the event is published for
-        trainers and monitors (``StageEvent``). See swarm/snapshots.py and swarm/keeper.py."""
-        from swarm.snapshots import (
+        trainers and monitors (``StageEvent``). See swarm/dht/snapshots.py and swarm/tools/keeper.py."""
+        from swarm.dht.snapshots import (
             Restorable,
             StageStateLost,
             choose_newest,
@@ -475,7 +477,7 @@ class StagePeer:
 
     async def _publish_stage_event(self, stage: int, version: int, seen: int) -> None:
         """Tell trainers and monitors that the stage was restored (or restarted) and what it lost."""
-        from swarm.records import StageEvent
+        from swarm.dht.records import StageEvent
 
         event = StageEvent(
             peer_id=self.peer_id,
@@ -633,7 +635,7 @@ class StagePeer:
     # ------------------------------------------------------------------- announcing, rebalancing
 
     def _record(self) -> Any:
-        from swarm.records import PeerRecord
+        from swarm.dht.records import PeerRecord
 
         compute = self.compute
         state = self.state if self.state in ("joining", "online", "leaving") else "joining"
@@ -684,7 +686,7 @@ class StagePeer:
         store_throughput(self.spec, compute.stage, self.device, value, cache_dir=self.config.cache_dir)
 
     async def _maybe_move(self) -> None:
-        from swarm.placement import should_move
+        from swarm.dht.placement import should_move
 
         records = await asyncio.to_thread(self._membership.all_stage_records)
         target = should_move(records, self.peer_id, margin=self.config.rebalance_margin, rng=self._rng)
@@ -695,7 +697,7 @@ class StagePeer:
     async def _stage_restorable(self, stage: int, records: list) -> bool:
         """Whether a peer moving to ``stage`` finds state there (a live replica or a keeper's snapshot), or
         may start it from the seed (the run has not trained, or ``start_fresh``). Says why not, once."""
-        from swarm.snapshots import lost_state_message, training_evidence
+        from swarm.dht.snapshots import lost_state_message, training_evidence
 
         live = [pid for pid, r in records[stage].items() if pid != self.peer_id and r.state == "online"]
         if live or self.config.start_fresh:
@@ -737,7 +739,7 @@ class StagePeer:
                 await asyncio.to_thread(self._averager.shutdown)
                 self._averager = None
             await asyncio.to_thread(self._store_rate)
-            from swarm.snapshots import StageStateLost
+            from swarm.dht.snapshots import StageStateLost
 
             try:
                 await self._join_stage(stage, None)
@@ -925,7 +927,7 @@ class StagePeer:
     async def _on_info(self, message: Message, remote: Any) -> dict[str, Any]:
         compute = self._compute
         ids = listed_ids(message.header, "info request")
-        if ids:  # a probe (note "liveness probes", swarm/liveness.py): which of these do we hold?
+        if ids:  # a probe (note "liveness probes", swarm/client/liveness.py): which of these do we hold?
             self._trainer_heard[str(remote)] = time.monotonic()
             with self._held_lock:
                 held = [i for i in ids if self._held.get(i)]
@@ -1246,7 +1248,7 @@ class StagePeer:
 
     # Holding (note "holding"): a micro-batch is *held* here from the moment its FORWARD or BACKWARD
     # is queued until the last message this peer sends about it (next hop acknowledged, report
-    # delivered) is done. Answers to a trainer's INFO probe list the held ids (peer/protocol.py).
+    # delivered) is done. Answers to a trainer's INFO probe list the held ids (swarm/wire/protocol.py).
 
     def _hold(self, mb_id: str) -> None:
         with self._held_lock:

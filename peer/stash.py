@@ -5,7 +5,7 @@ when it starts, and its backward must use the *same* ``v`` even if the peer has 
 gradient would be computed against weights that did not produce the activation.
 
 - :class:`WeightVersions` keeps the last ``max_versions`` versions, each a dict of tensors that are
-  never written in place (the optimizer produces new tensors per step, see ``peer/optimizer.py``).
+  never written in place (the optimizer produces new tensors per step, see ``swarm/run/optimizer.py``).
   A backward whose version was evicted is refused with :class:`VersionEvicted`.
 - :class:`MicroBatchStash` keeps what a backward needs per micro-batch (the version, the stage input
   or a kept autograd graph, the route), and expires entries whose backward never comes after

@@ -38,8 +38,8 @@ try:
 except ImportError:  # not POSIX: no lock (peers of one machine may then lose each other's figure)
     fcntl = None  # type: ignore[assignment]
 
-from swarm.model import autocast_dtype, build_stage, lm_loss
-from swarm.spec import RunSpec
+from swarm.run.model import autocast_dtype, build_stage, lm_loss
+from swarm.run.spec import RunSpec
 
 __all__ = ["measure_throughput", "store_throughput", "default_cache_dir", "device_name", "ServedRate"]
 

@@ -1,17 +1,16 @@
-"""swarm: everything about the swarm as a whole.
+"""swarm: everything about the swarm as a whole, in one-way layers (docs/ARCHITECTURE.md).
 
-Map of modules:
-- ``spec``: the run spec (typed, validated config dataclasses, canonical bytes and hash).
-- ``model``: the GPT/Llama-style decoder split into pipeline stages (``build_stage``, ``build_model``).
-- ``records``, ``membership``, ``network``: DHT records, the one DHT owner per process, DHT start-up.
-- ``placement``: which stage a peer claims and when it moves (pure functions).
-- ``bootstrap``, ``status``: the node behind ``swarm init`` and the per-stage status view.
-- ``routing``, ``data``, ``trainer``, ``metrics``: the trainer that drives micro-batches through routes.
-- ``demo``: the local swarm behind ``swarm demo`` / ``make demo``.
-- ``export``, ``monitor``, ``logging_sinks``: getting the model out, a live web page, TensorBoard/W&B.
-- ``subspace``: subspace-constrained models and their exact stage-boundary coding.
-- ``errors``: the exception hierarchy for user and peer input; ``version``: the software version.
-- ``cli`` and ``commands/``: the ``swarm`` command line.
+Subpackages, lowest first (each imports only those before it):
+- ``errors``, ``version``, ``atomic`` (modules here): the exception hierarchy, the software version,
+  atomic file writes; they import nothing of ours.
+- ``run/``: the run spec, the staged model, its initialisation, subspace boundaries, the optimizer.
+- ``wire/``: the data-plane protocol trainers and peers speak.
+- ``dht/``: DHT start-up, records, membership, access, placement, snapshots, hivemind processes.
+- (``peer/``, a top-level package: one stage peer; it uses ``run/``, ``wire/`` and ``dht/`` only.)
+- ``client/``: a process's link into a run, routing and liveness.
+- ``train/``: the trainer, its ledger, data, metrics and sinks, the one-process reference.
+- ``tools/``: bootstrap, keeper, status, monitor, generate, export, demo.
+- ``cli/``: the ``swarm`` command line.
 
 Public names are re-exported lazily (importing ``swarm`` does not import torch or hivemind).
 """
@@ -32,21 +31,21 @@ from swarm.errors import (
 from swarm.version import __version__
 
 _LAZY = {
-    "RunSpec": "swarm.spec",
-    "ModelConfig": "swarm.spec",
-    "build_stage": "swarm.model",
-    "build_model": "swarm.model",
-    "lm_loss": "swarm.model",
-    "Membership": "swarm.membership",
-    "PeerRecord": "swarm.records",
-    "DHTConfig": "swarm.network",
-    "start_dht": "swarm.network",
-    "choose_stage": "swarm.placement",
-    "should_move": "swarm.placement",
-    "Trainer": "swarm.trainer",
-    "TrainerConfig": "swarm.trainer",
-    "load_model": "swarm.export",
-    "make_boundary": "swarm.subspace",
+    "RunSpec": "swarm.run.spec",
+    "ModelConfig": "swarm.run.spec",
+    "build_stage": "swarm.run.model",
+    "build_model": "swarm.run.model",
+    "lm_loss": "swarm.run.model",
+    "Membership": "swarm.dht.membership",
+    "PeerRecord": "swarm.dht.records",
+    "DHTConfig": "swarm.dht.network",
+    "start_dht": "swarm.dht.network",
+    "choose_stage": "swarm.dht.placement",
+    "should_move": "swarm.dht.placement",
+    "Trainer": "swarm.train.trainer",
+    "TrainerConfig": "swarm.train.trainer",
+    "load_model": "swarm.tools.export",
+    "make_boundary": "swarm.run.subspace",
 }
 
 __all__ = [

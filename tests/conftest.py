@@ -6,7 +6,7 @@ A module that leaves descendants behind fails here (after a short grace period),
 killed so that they do not disturb the next module.
 
 The same fixture checks hivemind's unix socket files: every DHT/P2P started through
-``swarm.network.start_dht`` in this session (in-process, forked or as a subprocess, which inherit the
+``swarm.dht.network.start_dht`` in this session (in-process, forked or as a subprocess, which inherit the
 environment) names its sockets with the per-session prefix ``SWARMPIPE_SOCKET_PREFIX`` set below, so
 a file with that prefix that outlives its module was left behind (e.g. by a P2P never shut down, or
 by a SIGKILLed process whose test did not clean up after it). Files still listened on (a P2P left
@@ -33,7 +33,7 @@ def _descendants() -> list[psutil.Process]:
 
 
 SOCKET_PREFIX = f"/tmp/hivemind-t{os.getpid()}-"
-os.environ.setdefault("SWARMPIPE_SOCKET_PREFIX", SOCKET_PREFIX)  # read by swarm.network.start_dht
+os.environ.setdefault("SWARMPIPE_SOCKET_PREFIX", SOCKET_PREFIX)  # read by swarm.dht.network.start_dht
 SOCKET_PREFIX = os.environ["SWARMPIPE_SOCKET_PREFIX"]
 
 

@@ -18,7 +18,7 @@ from benchmarks.async_replay import (
     trainer_inflight,
 )
 from swarm.errors import ConfigError
-from swarm.spec import OptimizerConfig
+from swarm.run.spec import OptimizerConfig
 
 TINY = {
     "run_id": "replay-smoke",

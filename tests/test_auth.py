@@ -1,4 +1,4 @@
-"""Unit tests of swarm/auth.py (no sockets, no sleeping: clocks are injected)."""
+"""Unit tests of swarm/dht/auth.py (no sockets, no sleeping: clocks are injected)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from peer.averaging import _AuthorizedSet
-from swarm.auth import (
+from swarm.dht.auth import (
     SECRET_ENV,
     AuthError,
     PenaltyBox,
@@ -25,7 +25,7 @@ from swarm.auth import (
     write_secret_file,
 )
 from swarm.errors import ConfigError, RecordError, RequestError
-from swarm.spec import AccessConfig, RunSpec
+from swarm.run.spec import AccessConfig, RunSpec
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 A = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -187,7 +187,7 @@ def test_authorized_set():
 
 
 def test_init_private_writes_then_reuses_the_secret_file(tmp_path):
-    from swarm.commands.init import _make_private
+    from swarm.cli.commands.init import _make_private
 
     spec = RunSpec.from_yaml(os.path.join(EXAMPLES, "tiny.yaml"))
     path = str(tmp_path / "tiny.secret")
@@ -205,8 +205,8 @@ def test_init_private_writes_then_reuses_the_secret_file(tmp_path):
 def test_cli_flags_read_the_secret_file_not_the_command_line(tmp_path):
     import argparse
 
-    from swarm.commands import peer as peer_cmd
-    from swarm.commands import train as train_cmd
+    from swarm.cli.commands import peer as peer_cmd
+    from swarm.cli.commands import train as train_cmd
 
     secret = generate_secret()
     path = tmp_path / "s"

@@ -143,7 +143,7 @@ def test_netlab_sigterm_tears_down_and_stale_labs_are_cleaned():
 
 @pytest.fixture()
 def tiny_spec(tmp_path):
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     path = tmp_path / "tiny.json"
     path.write_bytes(RunSpec.from_dict(TINY).canonical_bytes())

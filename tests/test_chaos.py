@@ -1,6 +1,6 @@
 """Chaos: peers are SIGKILLed and replaced at random while a trainer runs; training carries on.
 
-Two swarms of 2 stages x 2 ``swarm peer`` processes (``swarm.demo.Demo``) train the same spec on the
+Two swarms of 2 stages x 2 ``swarm peer`` processes (``swarm.tools.demo.Demo``) train the same spec on the
 same data for the same number of micro-batches: one without faults, one where every few seconds a
 random peer (of a stage that still has a live stage-mate, so the stage stays served) is killed with
 SIGKILL (its whole process group) and a fresh peer is started for its stage; the fresh peer
@@ -19,11 +19,11 @@ import time
 
 import pytest
 
-from swarm import processes
-from swarm.demo import Demo, DemoConfig
-from swarm.metrics import read_metrics
-from swarm.spec import RunSpec
-from swarm.trainer import Trainer, TrainerConfig
+from swarm.dht import processes
+from swarm.run.spec import RunSpec
+from swarm.tools.demo import Demo, DemoConfig
+from swarm.train.metrics import read_metrics
+from swarm.train.trainer import Trainer, TrainerConfig
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import torch
 from peer.checkpoint import Checkpoint, checkpoint_path, load_checkpoint, save_checkpoint
 from peer.compute import StageCompute
 from swarm.errors import ConfigError, RequestError
-from swarm.spec import RunSpec
+from swarm.run.spec import RunSpec
 
 
 def tiny_spec(seed=0) -> RunSpec:

@@ -240,7 +240,7 @@ def test_convergence_benchmark_end_to_end(tmp_path):
     """A reference and a one-peer-per-stage sync swarm on a tiny model: in sync mode without a codec the
     swarm computes exactly what one process computes, so the exported model's held-out loss matches."""
     from benchmarks.convergence import run_matrix
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     spec_path = tmp_path / "tiny.json"
     spec_path.write_bytes(RunSpec.from_dict(TINY).canonical_bytes())

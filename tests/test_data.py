@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from swarm.data import (
+from swarm.errors import ConfigError
+from swarm.train.data import (
     ByteTokenizer,
     DataConfig,
     TokenData,
@@ -16,7 +17,6 @@ from swarm.data import (
     read_documents,
     stdlib_documents,
 )
-from swarm.errors import ConfigError
 
 
 def test_byte_tokenizer_round_trips_unicode():

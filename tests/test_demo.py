@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.demo import DEFAULT_DEMO_SPEC, demo_spec
-from swarm.metrics import read_metrics
+from swarm.tools.demo import DEFAULT_DEMO_SPEC, demo_spec
+from swarm.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -124,14 +124,14 @@ def test_demo_interrupted_by_sigint_cleans_up(tmp_path):
 
 def test_demo_spec_without_the_examples_file_and_overrides(tmp_path, monkeypatch):
     """An installed package has no examples/: the built-in spec is used, --stages/--codec apply."""
-    monkeypatch.setattr("swarm.demo._repo_example", lambda: None)
+    monkeypatch.setattr("swarm.tools.demo._repo_example", lambda: None)
     spec = demo_spec(stages=4, codec="int8")
     assert spec.num_stages == 4 and spec.codecs.activations == spec.codecs.gradients == "int8"
     assert spec.model.d_model == DEFAULT_DEMO_SPEC["model"]["d_model"]
     # the built-in spec and examples/demo.yaml describe the same run
     monkeypatch.undo()
     assert demo_spec().spec_hash == demo_spec(spec_path=None).spec_hash
-    from swarm.spec import RunSpec
+    from swarm.run.spec import RunSpec
 
     assert (
         RunSpec.from_dict(DEFAULT_DEMO_SPEC).spec_hash

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from swarm.errors import ConfigError, RecordError, StageUnavailableError
-from swarm.export import (
+from swarm.run.model import build_model
+from swarm.run.spec import RunSpec
+from swarm.tools.export import (
     INFO_FILE,
     SPEC_FILE,
     WEIGHTS_FILE,
@@ -30,8 +32,6 @@ from swarm.export import (
     to_hf_state_dict,
     write_export,
 )
-from swarm.model import build_model
-from swarm.spec import RunSpec
 
 
 def small_spec(run_id: str = "exp", *, subspace: dict | None = None, rope_theta: float = 5000.0) -> RunSpec:
@@ -215,8 +215,8 @@ def test_subspace_model_exports_as_dense_weights_with_the_same_outputs(tmp_path)
 
 def _download_like(spec: RunSpec, stage: int, **meta_over):
     """(meta, tensors, shapes, names) as a peer's StageCompute.export_state sends them."""
-    from peer.optimizer import StageOptimizer
-    from swarm.model import build_stage
+    from swarm.run.model import build_stage
+    from swarm.run.optimizer import StageOptimizer
 
     module = build_stage(spec, stage)
     opt = StageOptimizer(dict(module.named_parameters()), spec.optimizer)
@@ -281,7 +281,7 @@ def test_stages_too_far_behind_are_named():
 
 def test_export_config_and_cli_flags():
     from swarm.cli import build_parser
-    from swarm.commands.export import config_from_args
+    from swarm.cli.commands.export import config_from_args
 
     maddr = "/ip4/127.0.0.1/tcp/4001/p2p/QmWcs14zqAdEZtLLGwoFcCRp18SE78VmhZgGqmnVBuiRhz"
     args = build_parser().parse_args(
@@ -318,8 +318,8 @@ def test_export_config_and_cli_flags():
 @pytest.mark.slow
 def test_export_of_a_live_swarm_matches_its_peers(tmp_path):
     from peer import StagePeer
-    from swarm.export import export_run
-    from swarm.network import DHTConfig
+    from swarm.dht.network import DHTConfig
+    from swarm.tools.export import export_run
     from tests.test_peer_pipeline import Driver, _batch, peer_config, start_peers, stop_all
 
     spec = small_spec("exportlive")

@@ -26,7 +26,12 @@ from hypothesis import strategies as st
 
 from compression import get_codec
 from peer import PeerConfig, StagePeer
-from peer.protocol import (
+from swarm.dht.auth import AuthError, RunAuth, generate_secret, secret_check
+from swarm.dht.membership import Membership
+from swarm.dht.network import DHTConfig, start_dht, visible_maddrs
+from swarm.errors import RequestError
+from swarm.run.spec import RunSpec
+from swarm.wire.protocol import (
     BACKWARD,
     FORWARD,
     INFO,
@@ -44,11 +49,6 @@ from peer.protocol import (
     serve,
     to_parts,
 )
-from swarm.auth import AuthError, RunAuth, generate_secret, secret_check
-from swarm.errors import RequestError
-from swarm.membership import Membership
-from swarm.network import DHTConfig, start_dht, visible_maddrs
-from swarm.spec import RunSpec
 from tests.test_peer_pipeline import peer_config as pipeline_peer_config
 
 MAX_PAYLOAD = 64 << 10  # the peer's cap: an oversized payload is cheap to declare

@@ -1,5 +1,5 @@
 """A stage outlives its peers: a keeper's snapshot brings back a stage that lost every replica, and
-without one a peer refuses to start a trained run's stage from initial weights (swarm/keeper.py).
+without one a peer refuses to start a trained run's stage from initial weights (swarm/tools/keeper.py).
 
 Real hivemind peers on loopback (the driver of test_peer_pipeline: bootstrap DHT + micro-batch sender);
 everything is shut down in ``finally``.
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from peer import StagePeer
-from swarm.keeper import Keeper, KeeperConfig
-from swarm.membership import Membership
-from swarm.network import DHTConfig, start_dht
-from swarm.snapshots import StageStateLost
+from swarm.dht.membership import Membership
+from swarm.dht.network import DHTConfig, start_dht
+from swarm.dht.snapshots import StageStateLost
+from swarm.tools.keeper import Keeper, KeeperConfig
 from tests.test_peer_pipeline import Driver, peer_config, start_peers
 from tests.test_peer_swarm import spec_for, train, until
 

@@ -1,4 +1,4 @@
-"""Failure detection logic (swarm/liveness.py) and the served-throughput average (peer/throughput.py):
+"""Failure detection logic (swarm/client/liveness.py) and the served-throughput average (peer/throughput.py):
 pure, no sockets, no sleeping (times are passed in)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 
 from peer.throughput import ServedRate
+from swarm.client.liveness import HoldCheck, Liveness, LivenessConfig, RttEstimator, hold_verdict, next_check
 from swarm.errors import ConfigError
-from swarm.liveness import HoldCheck, Liveness, LivenessConfig, RttEstimator, hold_verdict, next_check
 
 
 def test_rto_starts_at_the_initial_value_then_follows_round_trips_within_bounds():

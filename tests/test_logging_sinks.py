@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from swarm.errors import ConfigError
-from swarm.logging_sinks import MultiSink, _Sink, flatten_metrics, make_sinks, wandb_mode
-from swarm.metrics import step_record
+from swarm.train.logging_sinks import MultiSink, _Sink, flatten_metrics, make_sinks, wandb_mode
+from swarm.train.metrics import step_record
 
 
 def _record(step: int, loss: float) -> dict:
@@ -96,7 +96,7 @@ def test_a_failing_sink_warns_once_and_is_switched_off(caplog):
 
     full, keeps = Full(), Keeps()
     sinks = MultiSink([full, keeps])
-    with caplog.at_level(logging.WARNING, logger="swarm.logging_sinks"):
+    with caplog.at_level(logging.WARNING, logger="swarm.train.logging_sinks"):
         for step in (1, 2, 3):
             sinks.write(_record(step, 5.0 - step))
     assert full.calls == 1 and "No space left" in full.failed

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from swarm.dht.records import PeerRecord, RunEntry, peer_id_of_subkey, stage_key
 from swarm.errors import ConfigError
-from swarm.records import PeerRecord, RunEntry, peer_id_of_subkey, stage_key
-from swarm.status import RunStatus, StageStatus, render_run_status, render_runs, status_line
+from swarm.tools.status import RunStatus, StageStatus, render_run_status, render_runs, status_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -97,12 +97,12 @@ def test_swarm_membership_end_to_end():
     from hivemind.utils import get_dht_time
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from swarm.bootstrap import Bootstrap, BootstrapConfig
-    from swarm.membership import Membership
-    from swarm.network import DHTConfig, start_dht
-    from swarm.placement import choose_stage
-    from swarm.spec import RunSpec
-    from swarm.status import gather_run_status
+    from swarm.dht.membership import Membership
+    from swarm.dht.network import DHTConfig, start_dht
+    from swarm.dht.placement import choose_stage
+    from swarm.run.spec import RunSpec
+    from swarm.tools.bootstrap import Bootstrap, BootstrapConfig
+    from swarm.tools.status import gather_run_status
 
     spec = RunSpec.from_yaml(TINY)
     boot = Bootstrap(BootstrapConfig(spec=spec, status_interval_s=0.5, refresh_interval_s=0.5))

@@ -6,7 +6,7 @@ import io
 import json
 import math
 
-from swarm.metrics import (
+from swarm.train.metrics import (
     MetricsWriter,
     ProgressDisplay,
     ProgressSnapshot,
@@ -162,7 +162,7 @@ def test_summary_numbers_and_text():
 
 
 def test_step_records_carry_per_stage_staleness_and_the_summary_its_mean():
-    from swarm.metrics import step_record, summarize
+    from swarm.train.metrics import step_record, summarize
 
     recs = []
     for step, (s0, n) in enumerate([(2.0, 2), (6.0, 2)], start=1):

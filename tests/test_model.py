@@ -1,4 +1,4 @@
-"""Tests of swarm/model.py: chained stages equal the whole model, deterministic init, shapes, loss."""
+"""Tests of swarm/run/model.py: chained stages equal the whole model, deterministic init, shapes, loss."""
 
 from __future__ import annotations
 
@@ -13,18 +13,17 @@ import pytest
 import torch
 
 from swarm.errors import ConfigError, RequestError
-from swarm.model import (
-    INIT_STD,
+from swarm.run.init import INIT_STD, derive_seed
+from swarm.run.model import (
     StageModule,
     SwarmModel,
     autocast_dtype,
     build_model,
     build_stage,
     count_parameters,
-    derive_seed,
     lm_loss,
 )
-from swarm.spec import RunSpec
+from swarm.run.spec import RunSpec
 
 # sha256 prefix of the state dict of stage 1 of make_spec(2); see test_init_recipe_is_pinned.
 GOLDEN_STAGE1 = "046cc377091a0714"
@@ -148,8 +147,8 @@ def test_same_weights_in_another_process_and_on_any_cpu():
     script = textwrap.dedent(
         f"""
         import hashlib, json, torch
-        from swarm.spec import RunSpec
-        from swarm.model import build_stage
+        from swarm.run.spec import RunSpec
+        from swarm.run.model import build_stage
         torch.manual_seed(4321)  # a different global RNG state must not matter
         spec = RunSpec.from_json({spec.canonical_bytes()!r})
         h = hashlib.sha256()

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from swarm.dht.records import PeerRecord
 from swarm.errors import ConfigError
-from swarm.monitor import (
+from swarm.run.spec import RunSpec
+from swarm.tools.monitor import (
     MonitorConfig,
     MonitorServer,
     MonitorState,
@@ -30,9 +32,7 @@ from swarm.monitor import (
     render_page,
     render_prometheus,
 )
-from swarm.records import PeerRecord
-from swarm.spec import RunSpec
-from swarm.status import RunStatus, StageStatus
+from swarm.tools.status import RunStatus, StageStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -296,7 +296,7 @@ def test_server_serves_page_json_metrics_and_404():
 
 def test_cli_flags_map_to_the_config():
     from swarm.cli import build_parser
-    from swarm.commands.monitor import config_from_args
+    from swarm.cli.commands.monitor import config_from_args
 
     maddr = "/ip4/127.0.0.1/tcp/4001/p2p/QmWcs14zqAdEZtLLGwoFcCRp18SE78VmhZgGqmnVBuiRhz"
     args = build_parser().parse_args(
@@ -355,10 +355,10 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_monitor_page_of_a_live_swarm_in_a_headless_browser(tmp_path):
-    from swarm.bootstrap import Bootstrap, BootstrapConfig
-    from swarm.membership import Membership
-    from swarm.monitor import Monitor
-    from swarm.network import DHTConfig, start_dht
+    from swarm.dht.membership import Membership
+    from swarm.dht.network import DHTConfig, start_dht
+    from swarm.tools.bootstrap import Bootstrap, BootstrapConfig
+    from swarm.tools.monitor import Monitor
 
     chromium = _chromium()
     spec = _spec(3)

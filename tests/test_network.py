@@ -1,11 +1,10 @@
-"""Address parsing, DHT config checks and identity files (swarm/network.py); no sockets."""
+"""Address parsing, DHT config checks and identity files (swarm/dht/network.py); no sockets."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarm.errors import ConfigError
-from swarm.network import (
+from swarm.dht.network import (
     INITIAL_PEER_EXAMPLE,
     LOOPBACK_HOST_MADDR,
     PUBLIC_HOST_MADDR,
@@ -14,6 +13,7 @@ from swarm.network import (
     parse_maddrs,
     reachability_warning,
 )
+from swarm.errors import ConfigError
 
 PEER = "QmWcs14zqAdEZtLLGwoFcCRp18SE78VmhZgGqmnVBuiRhz"
 LOCAL = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"
@@ -84,7 +84,7 @@ def test_reachability_warning():
 def test_identity_files_must_hold_an_rsa_key(tmp_path):
     from hivemind.proto import crypto_pb2
 
-    from swarm.network import _load_rsa_identity, _prepare_identity
+    from swarm.dht.network import _load_rsa_identity, _prepare_identity
 
     garbage = tmp_path / "garbage.key"
     garbage.write_bytes(b"\xff\x00 not protobuf at all")

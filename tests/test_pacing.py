@@ -1,10 +1,10 @@
-"""The in-flight pacer (swarm/pacing.py, note "pacing"): pure logic, driven by a simulated pipeline."""
+"""The in-flight pacer (swarm/train/pacing.py, note "pacing"): pure logic, driven by a simulated pipeline."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarm.pacing import InflightPacer, PacingConfig
+from swarm.train.pacing import InflightPacer, PacingConfig
 
 
 def _pipeline(pacer: InflightPacer, *, servers: int, service_s: float, latency_s: float, n: int) -> list[int]:

@@ -15,7 +15,7 @@ import pytest
 
 from peer import StagePeer
 from peer.checkpoint import load_checkpoint
-from peer.protocol import INFO, Message, call
+from swarm.wire.protocol import INFO, Message, call
 from tests.test_peer_pipeline import Driver, _batch, peer_config
 from tests.test_peer_swarm import spec_for
 

@@ -6,7 +6,7 @@ import torch
 from peer.compute import StageCompute
 from peer.stash import VersionEvicted
 from swarm.errors import RequestError
-from swarm.spec import RunSpec
+from swarm.run.spec import RunSpec
 
 
 def spec(**optimizer) -> RunSpec:

@@ -7,7 +7,7 @@ import pytest
 from peer.config import PeerConfig, resolve_device
 from peer.throughput import measure_throughput
 from swarm.errors import ConfigError
-from swarm.spec import RunSpec
+from swarm.run.spec import RunSpec
 
 
 def cfg(**kw) -> PeerConfig:

@@ -13,9 +13,9 @@ import asyncio
 import pytest
 
 from peer import StagePeer
-from peer.protocol import CANCEL, FORWARD, INFO, Message, call, serve
-from swarm.network import DHTConfig, start_dht
-from swarm.spec import RunSpec
+from swarm.dht.network import DHTConfig, start_dht
+from swarm.run.spec import RunSpec
+from swarm.wire.protocol import CANCEL, FORWARD, INFO, Message, call, serve
 from tests.test_peer_pipeline import Driver, _batch, peer_config, start_peers, stop_all, tiny_spec
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,13 @@ import torch
 
 from compression import decode_any, get_codec
 from peer import PeerConfig, StagePeer
-from peer.optimizer import StageOptimizer
-from peer.protocol import (
+from swarm.dht.membership import Membership
+from swarm.dht.network import DHTConfig, start_dht, visible_maddrs
+from swarm.errors import RequestError
+from swarm.run.model import build_model, lm_loss
+from swarm.run.optimizer import StageOptimizer
+from swarm.run.spec import RunSpec
+from swarm.wire.protocol import (
     BACKWARD,
     FORWARD,
     INFO,
@@ -28,11 +33,6 @@ from peer.protocol import (
     pack_tokens,
     serve,
 )
-from swarm.errors import RequestError
-from swarm.membership import Membership
-from swarm.model import build_model, lm_loss
-from swarm.network import DHTConfig, start_dht, visible_maddrs
-from swarm.spec import RunSpec
 
 pytestmark = pytest.mark.slow
 
@@ -161,7 +161,7 @@ def _batch(seed: int, spec: RunSpec):
 
 @pytest.mark.parametrize("subspace", [None, {"rank": 8}], ids=["dense", "subspace"])
 def test_three_stage_route_equals_whole_model(tmp_path, subspace):
-    # subspace: boundaries send k = 8 coefficients per token instead of d_model = 32 (swarm/subspace.py)
+    # subspace: boundaries send k = 8 coefficients per token instead of d_model = 32 (swarm/run/subspace.py)
     spec = tiny_spec("pipe3" if subspace is None else "pipe3sub", subspace=subspace)
 
     async def main():

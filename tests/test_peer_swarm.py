@@ -13,7 +13,7 @@ import torch
 
 from peer import StagePeer
 from peer.compute import StageCompute
-from swarm.spec import RunSpec
+from swarm.run.spec import RunSpec
 from tests.test_peer_pipeline import Driver, _batch, peer_config, start_peers, stop_all
 
 pytestmark = pytest.mark.slow

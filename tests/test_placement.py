@@ -1,4 +1,4 @@
-"""Placement policy (swarm/placement.py) on hand-built records: no DHT, no clock."""
+"""Placement policy (swarm/dht/placement.py) on hand-built records: no DHT, no clock."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from swarm.dht.placement import choose_stage, objective, should_move, stage_throughputs
+from swarm.dht.records import PeerRecord
 from swarm.errors import ConfigError
-from swarm.placement import choose_stage, objective, should_move, stage_throughputs
-from swarm.records import PeerRecord
 
 SPEC_HASH = "0123456789abcdef"
 

@@ -18,14 +18,14 @@ import torch
 from compression import get_codec
 from peer import StagePeer
 from peer.averaging import StageAverager
-from peer.protocol import BACKWARD, FORWARD, INFO, REPORT, BackwardHeader, Report
-from swarm.auth import RunAuth, generate_secret
+from swarm.dht.auth import RunAuth, generate_secret
+from swarm.dht.network import DHTConfig
+from swarm.dht.records import PeerRecord
 from swarm.errors import ConfigError, RequestError
-from swarm.export import ExportConfig, export_run, load_model
-from swarm.generation import GenerateConfig, generate_async
-from swarm.network import DHTConfig
-from swarm.records import PeerRecord
-from swarm.status import gather_run_status
+from swarm.tools.export import ExportConfig, export_run, load_model
+from swarm.tools.generation import GenerateConfig, generate_async
+from swarm.tools.status import gather_run_status
+from swarm.wire.protocol import BACKWARD, FORWARD, INFO, REPORT, BackwardHeader, Report
 from tests.test_fuzz_peer import Node, batch, peer_config, private_spec
 
 pytestmark = pytest.mark.slow
@@ -185,7 +185,7 @@ def test_outsiders_are_refused_and_insiders_train():
 
 
 def test_the_trainer_trains_a_private_run_with_its_secret(tmp_path):
-    from swarm.trainer import Trainer, TrainerConfig
+    from swarm.train.trainer import Trainer, TrainerConfig
 
     secret = generate_secret()
     model = {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}  # byte tokens

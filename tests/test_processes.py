@@ -1,4 +1,4 @@
-"""Process hygiene of command entry points (swarm/processes.py)."""
+"""Process hygiene of command entry points (swarm/dht/processes.py)."""
 
 import contextlib
 import os
@@ -14,7 +14,7 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import multiprocessing as mp, os, signal, sys, time
-    from swarm.processes import reap_children
+    from swarm.dht.processes import reap_children
 
     def stubborn():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like a forked hivemind child
@@ -48,7 +48,7 @@ def test_reap_children_kills_a_stubborn_child_so_the_process_can_exit():
 
 
 def test_sigterm_interrupts_a_command_like_ctrl_c():
-    code = "from swarm.processes import terminate_as_interrupt\nimport os, signal, time\nterminate_as_interrupt()\n"
+    code = "from swarm.dht.processes import terminate_as_interrupt\nimport os, signal, time\nterminate_as_interrupt()\n"
     code += "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\nexcept KeyboardInterrupt:\n    print('cleaned up')\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "cleaned up"
@@ -58,7 +58,7 @@ def test_remove_stale_sockets_removes_only_files_nobody_listens_on():
     import socket
     import tempfile
 
-    from swarm.processes import remove_stale_sockets
+    from swarm.dht.processes import remove_stale_sockets
 
     with tempfile.TemporaryDirectory(dir="/tmp", prefix="sp-") as d:  # unix socket paths are short
         prefix = os.path.join(d, "x-")
@@ -90,7 +90,7 @@ def test_remove_stale_sockets_removes_only_files_nobody_listens_on():
 ORPHAN_SCRIPT = textwrap.dedent(
     """
     import time, torch
-    from swarm.network import DHTConfig, start_dht
+    from swarm.dht.network import DHTConfig, start_dht
     from peer.averaging import StageAverager
 
     dht = start_dht(DHTConfig())
@@ -134,7 +134,7 @@ def test_a_sigkilled_process_leaves_no_dht_averager_or_p2pd_behind():
 
 
 def test_listening_paths_reads_the_listening_flag_of_proc_net_unix():
-    from swarm.processes import listening_paths
+    from swarm.dht.processes import listening_paths
 
     text = (
         "Num       RefCount Protocol Flags    Type St Inode Path\n"
@@ -147,7 +147,7 @@ def test_listening_paths_reads_the_listening_flag_of_proc_net_unix():
 
 
 def test_alive_in_groups_finds_this_process_and_nothing_in_an_empty_group():
-    from swarm.processes import alive_in_groups
+    from swarm.dht.processes import alive_in_groups
 
     me = os.getpgid(0)
     found = alive_in_groups([me])

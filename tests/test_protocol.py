@@ -6,7 +6,8 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from peer.protocol import (
+from swarm.errors import PeerFailure, RequestError
+from swarm.wire.protocol import (
     PART_BYTES,
     ForwardHeader,
     Message,
@@ -19,7 +20,6 @@ from peer.protocol import (
     token_width,
     unpack_tokens,
 )
-from swarm.errors import PeerFailure, RequestError
 
 
 def _fwd(**over):

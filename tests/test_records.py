@@ -1,4 +1,4 @@
-"""DHT records (swarm/records.py): keys, wire format, validation of what readers receive."""
+"""DHT records (swarm/dht/records.py): keys, wire format, validation of what readers receive."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm import records as R
+from swarm.dht import records as R
 from swarm.errors import ConfigError, RecordError
 from swarm.version import __version__
 

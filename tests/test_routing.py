@@ -7,9 +7,7 @@ from collections import Counter
 
 import pytest
 
-from swarm.errors import ConfigError, StageUnavailableError
-from swarm.records import PeerRecord
-from swarm.routing import (
+from swarm.client.routing import (
     NoPeersError,
     PeerStats,
     Router,
@@ -18,6 +16,8 @@ from swarm.routing import (
     peer_weight,
     route_deadline_s,
 )
+from swarm.dht.records import PeerRecord
+from swarm.errors import ConfigError, StageUnavailableError
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
@@ -231,7 +231,7 @@ def test_staleness_cap_skips_full_peers_and_saturates():
 
 
 def test_staleness_caps_share_a_stage_budget_among_its_replicas():
-    from swarm.routing import staleness_caps
+    from swarm.client.routing import staleness_caps
 
     def stage(n, state="online"):
         return {f"p{i}": rec(f"p{i}", state=state) for i in range(n)}

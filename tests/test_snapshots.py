@@ -1,4 +1,4 @@
-"""Pure logic of stage snapshots (swarm/snapshots.py, the keeper's records): no sockets, no sleeps."""
+"""Pure logic of stage snapshots (swarm/dht/snapshots.py, the keeper's records): no sockets, no sleeps."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import time
 import pytest
 import torch
 
-from swarm import records as R
-from swarm.errors import ConfigError, RecordError
-from swarm.keeper import KeeperConfig
-from swarm.snapshots import (
+from swarm.dht import records as R
+from swarm.dht.snapshots import (
     Restorable,
     Snapshot,
     SnapshotStore,
@@ -23,6 +21,8 @@ from swarm.snapshots import (
     prune_plan,
     training_evidence,
 )
+from swarm.errors import ConfigError, RecordError
+from swarm.tools.keeper import KeeperConfig
 from tests.test_records import make_owner
 
 SPEC_HASH = "0123456789abcdef"

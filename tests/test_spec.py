@@ -1,4 +1,4 @@
-"""Tests of swarm/spec.py: loading, defaults, every validation rule, canonical bytes and the hash."""
+"""Tests of swarm/run/spec.py: loading, defaults, every validation rule, canonical bytes and the hash."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.errors import ConfigError
-from swarm.spec import (
+from swarm.run.spec import (
     MAX_SPEC_BYTES,
     AveragingConfig,
     CodecsConfig,

@@ -1,4 +1,4 @@
-"""Tests of swarm/subspace.py and the subspace option of swarm/spec.py and swarm/model.py.
+"""Tests of swarm/run/subspace.py and the subspace option of swarm/run/spec.py and swarm/run/model.py.
 
 The central claims: at every stage boundary of a constrained model, k numbers per token rebuild the
 hidden state exactly, and k numbers per token of gradient give exactly the unsplit model's parameter
@@ -20,9 +20,10 @@ import torch
 
 from compression import decode_any, get_codec
 from swarm.errors import ConfigError, RequestError
-from swarm.model import INIT_STD, SubspaceEmbedding, SubspaceLinear, build_model, build_stage, lm_loss
-from swarm.spec import RunSpec, SubspaceConfig
-from swarm.subspace import (
+from swarm.run.init import INIT_STD
+from swarm.run.model import SubspaceEmbedding, SubspaceLinear, build_model, build_stage, lm_loss
+from swarm.run.spec import RunSpec, SubspaceConfig
+from swarm.run.subspace import (
     FIXED_EMBED_STD,
     IdentityBoundary,
     SubspaceBoundary,
@@ -192,8 +193,8 @@ def test_same_basis_in_another_process_on_any_cpu():
     script = textwrap.dedent(
         f"""
         import hashlib, torch
-        from swarm.spec import RunSpec
-        from swarm.subspace import fixed_embedding, subspace_basis
+        from swarm.run.spec import RunSpec
+        from swarm.run.subspace import fixed_embedding, subspace_basis
         torch.manual_seed(4321)
         s = RunSpec.from_json({s.canonical_bytes()!r})
         h = hashlib.sha256()
@@ -233,7 +234,7 @@ def test_constrained_modules_write_into_the_subspace_and_the_rest_matches_the_pl
             w = m.weight().detach()
             assert torch.allclose(u @ (u.T @ w), w, atol=1e-6)
     assert not isinstance(last.layers["3"].attn.proj, SubspaceLinear)  # after the last boundary: free
-    # Init: A at the ordinary residual std (see swarm/model.py _init_), the embedding's A at INIT_STD.
+    # Init: A at the ordinary residual std (see swarm/run/model.py _init_), the embedding's A at INIT_STD.
     coefs = torch.cat([model.stages[0].layers[str(i)].ffn.down.coef.detach().flatten() for i in range(2)])
     assert coefs.std().item() == pytest.approx(INIT_STD / math.sqrt(2 * 4), rel=0.1)
     assert first.embed.coef.std().item() == pytest.approx(INIT_STD, rel=0.1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from peer.protocol import Report
-from swarm.accounting import Ledger
+from swarm.train.accounting import Ledger
+from swarm.wire.protocol import Report
 
 ROUTE = ("peerA", "peerB")
 

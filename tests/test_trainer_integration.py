@@ -1,6 +1,6 @@
 """The trainer with real stage peers on loopback: a 2 stages x 2 peers swarm of `swarm peer` processes.
 
-One swarm (bootstrap in this process, peers as subprocesses via ``swarm.demo.Demo``) serves the
+One swarm (bootstrap in this process, peers as subprocesses via ``swarm.tools.demo.Demo``) serves the
 whole module; the tests run in file order and the last one kills a peer. A tiny model keeps the
 module well under a minute or two on 2 cores.
 """
@@ -13,11 +13,11 @@ import signal
 
 import pytest
 
-from swarm.demo import Demo, DemoConfig
-from swarm.generation import GenerateConfig, generate
-from swarm.metrics import read_metrics
-from swarm.spec import RunSpec
-from swarm.trainer import Trainer, TrainerConfig
+from swarm.run.spec import RunSpec
+from swarm.tools.demo import Demo, DemoConfig
+from swarm.tools.generation import GenerateConfig, generate
+from swarm.train.metrics import read_metrics
+from swarm.train.trainer import Trainer, TrainerConfig
 
 pytestmark = pytest.mark.slow
 

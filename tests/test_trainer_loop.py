@@ -1,6 +1,6 @@
 """The trainer's control loop against a simulated swarm (no sockets, millisecond delays).
 
-``SimSwarm`` stands in for the network side of ``swarm.trainer.SwarmLink`` only: it answers
+``SimSwarm`` stands in for the network side of ``swarm.client.link.SwarmLink`` only: it answers
 ``send_forward`` and sends the reports real peers would send (``loss``, ``done``, ``failed``),
 with peers that can die, stay silent, or appear later. It checks the trainer's scheduling and
 bookkeeping (pipelining bound, sync lock-step, re-sends, deadlines, waiting for an empty stage);
@@ -16,15 +16,15 @@ import json
 import pytest
 import torch
 
-from peer.protocol import Report
-from swarm.data import DataConfig, TokenData
+from swarm.client.liveness import LivenessConfig
+from swarm.client.routing import RoutingConfig
+from swarm.dht.records import PeerRecord
 from swarm.errors import ConfigError, PeerFailure, StageUnavailableError
-from swarm.liveness import LivenessConfig
-from swarm.metrics import read_metrics
-from swarm.records import PeerRecord
-from swarm.routing import RoutingConfig
-from swarm.spec import RunSpec
-from swarm.trainer import Trainer, TrainerConfig, classify_failure, read_resume_state, service_seconds
+from swarm.run.spec import RunSpec
+from swarm.train.data import DataConfig, TokenData
+from swarm.train.metrics import read_metrics
+from swarm.train.trainer import Trainer, TrainerConfig, classify_failure, read_resume_state, service_seconds
+from swarm.wire.protocol import Report
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
@@ -54,7 +54,7 @@ class Progress:
         self.calls.append((trainer_id, tokens, steps, loss))
         return True
 
-    def events(self) -> list:  # stage events (swarm/keeper.py): none in a simulated swarm
+    def events(self) -> list:  # stage events (swarm/tools/keeper.py): none in a simulated swarm
         return []
 
 
@@ -425,7 +425,7 @@ def test_a_retry_after_a_backward_failure_is_not_counted_again_at_later_stages(t
     assert sum(1 for v in sim.counted_from.values() if v < 0) == 6  # first attempts and the rest
 
 
-# ---- failure detection (note "failure detection" in swarm/trainer.py) ---------------------------
+# ---- failure detection (note "failure detection" in swarm/train/trainer.py) ---------------------------
 
 QUICK = LivenessConfig(
     silence_s=0.05, probe_every_s=0.02, initial_rto_s=0.3, min_rto_s=0.1, recheck_s=0.05, dead_hold_s=5.0
@@ -508,7 +508,7 @@ def test_sync_mode_does_not_stall_when_a_peer_dies_with_its_window(tmp_path):
     assert set(summary["micro_batches"]["failures_by_reason"]) == {"unreachable"}
 
 
-# ---- resume (note "resume" in swarm/trainer.py) -------------------------------------------------
+# ---- resume (note "resume" in swarm/train/trainer.py) -------------------------------------------------
 
 
 def killed_at(trainer: Trainer, sim: SimSwarm, spec: RunSpec, step: int) -> None:
@@ -618,7 +618,7 @@ def test_the_train_command_refuses_a_resume_that_contradicts_its_directory(tmp_p
 
 
 def test_inflight_rule_of_thumb_keeps_two_per_stage_and_every_peer_busy():
-    from swarm.trainer import inflight_rule_of_thumb
+    from swarm.train.trainer import inflight_rule_of_thumb
 
     assert inflight_rule_of_thumb(2, 2) == 4  # one peer per stage: a transfer overlaps a computation
     assert inflight_rule_of_thumb(2, 4) == 4  # 2 x 2: one per replica is enough

@@ -1,0 +1,197 @@
+"""``swarm init [RUN.yaml]``: start a bootstrap node for a new run and print how to join it.
+
+    swarm init examples/tiny.yaml                 # loopback only: peers on this machine
+    swarm init examples/tiny.yaml --public --host-maddrs /ip4/0.0.0.0/tcp/31337 \\
+        --announce-maddrs /ip4/<PUBLIC_IP>/tcp/31337 --identity bootstrap.key
+    swarm init                                     # a plain entry point, no run
+    swarm init examples/tiny.yaml --private --secret-file tiny.secret   # only secret holders may join
+
+A private run's join secret is printed once (with the join commands) and kept in ``--secret-file``
+(mode 0600; an existing file is reused, so a restarted owner keeps the same run). Joiners pass a copy
+with ``--secret-file`` or the SWARMPIPE_SECRET environment variable; see SECURITY.md.
+
+With a run spec it also keeps recent snapshots of every stage (``swarm keeper``'s job, see
+``swarm/tools/keeper.py``) in ``--keeper-dir`` (default ``snapshots/RUN_ID``), unless ``--no-keeper``.
+
+It runs until Ctrl-C or SIGTERM, printing a status line every ``--status-interval-s`` seconds and
+re-publishing the run before its DHT records expire; it shuts the DHT down on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "init",
+        help="start a bootstrap node for a new run and print the commands that join it",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "spec", nargs="?", metavar="RUN.yaml", help="run spec file (omit for a plain bootstrap node)"
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="join an existing swarm instead of starting a new one (multiaddrs with /p2p/)",
+    )
+    p.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=None,
+        metavar="MADDR",
+        help="where to listen (default /ip4/127.0.0.1/tcp/0: this machine only)",
+    )
+    p.add_argument(
+        "--announce-maddrs",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="addresses others should dial, e.g. /ip4/<PUBLIC_IP>/tcp/31337 behind NAT (fixed port)",
+    )
+    p.add_argument(
+        "--identity",
+        dest="identity_path",
+        default=None,
+        metavar="PATH",
+        help="RSA identity file for a stable address (created if missing)",
+    )
+    p.add_argument("--public", action="store_true", help="listen on all interfaces (/ip4/0.0.0.0/tcp/0)")
+    p.add_argument(
+        "--private",
+        action="store_true",
+        help="only holders of the run's join secret may take part (needs --secret-file)",
+    )
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="where the join secret of a --private run is kept (created with mode 0600, or reused)",
+    )
+    p.add_argument(
+        "--status-interval-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between status lines (default 10)",
+    )
+    from swarm.cli.commands.keeper import add_keeper_options
+
+    add_keeper_options(p, default_dir=None)
+    p.add_argument(
+        "--no-keeper",
+        action="store_true",
+        help="keep no stage snapshots (a stage that loses every replica can then only come back from a "
+        "peer's --checkpoint-dir)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault(
+        "HIVEMIND_LOGLEVEL", "WARNING"
+    )  # before hivemind is imported: keep the output readable
+    from swarm.cli.commands.keeper import keeper_config
+    from swarm.dht.network import DHTConfig, reachability_warning
+    from swarm.run.spec import RunSpec
+    from swarm.tools.bootstrap import Bootstrap, BootstrapConfig
+
+    spec = RunSpec.from_yaml(args.spec) if args.spec else None
+    secret, created = None, False
+    if args.private:
+        spec, secret, created = _make_private(spec, args.secret_file)
+    dht_cfg_kwargs = {}
+    if args.host_maddrs is not None:
+        dht_cfg_kwargs["host_maddrs"] = tuple(args.host_maddrs)
+    cfg = BootstrapConfig(
+        dht=DHTConfig(
+            initial_peers=tuple(args.initial_peers),
+            announce_maddrs=tuple(args.announce_maddrs),
+            identity_path=args.identity_path,
+            public=args.public,
+            **dht_cfg_kwargs,
+        ),
+        spec=spec,
+        status_interval_s=args.status_interval_s,
+        secret=secret,
+        secret_file=args.secret_file,
+        keeper=None if spec is None or args.no_keeper else keeper_config(args, spec.run_id),
+    )
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    boot = Bootstrap(cfg)
+    try:
+        boot.start()
+        maddrs = boot.maddrs
+        if spec is not None:
+            print(f"run {spec.run_id} (spec {spec.spec_hash}, {spec.num_stages} stages) is published.")
+        else:
+            print("bootstrap node started (no run).")
+        print("initial peers: " + " ".join(maddrs))
+        warning = reachability_warning(cfg.dht.initial_peers, list(cfg.dht.announce_maddrs) or maddrs)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+        if secret is not None:
+            from swarm.dht.auth import SECRET_ENV, format_secret
+
+            state = "written to" if created else "read from"
+            print(f"private run: the join secret was {state} {args.secret_file} (mode 0600).")
+            print(
+                f"  it is printed only now; give it to joiners privately: {SECRET_ENV}={format_secret(secret)}"
+            )
+        if boot.keeper is not None:
+            print(
+                f"keeper: stage snapshots in {os.path.abspath(cfg.keeper.directory)} every "
+                f"{cfg.keeper.interval_s:.0f} s ({cfg.keeper.keep} kept per stage); --no-keeper turns it off"
+            )
+        print("join with:")
+        for command in boot.join_commands():
+            print(f"  {command}")
+        print("Ctrl-C stops this node.", flush=True)
+        boot.serve(stop, out=lambda line: print(line, flush=True))
+    finally:
+        boot.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("bootstrap node stopped.", flush=True)
+    return 0
+
+
+def _make_private(spec, secret_file):  # type: ignore[no-untyped-def]
+    """The spec with ``access.private`` set, its secret and whether the secret file was created now."""
+    import dataclasses
+
+    from swarm.dht.auth import generate_secret, read_secret_file, secret_check, write_secret_file
+    from swarm.errors import ConfigError
+    from swarm.run.spec import AccessConfig
+
+    if spec is None:
+        raise ConfigError("--private needs a run spec: swarm init RUN.yaml --private --secret-file PATH")
+    if not secret_file:
+        raise ConfigError(
+            "--private needs --secret-file PATH: the join secret is stored there (mode 0600) for the owner "
+            "and copied to joiners; it is never passed on a command line"
+        )
+    created = not os.path.exists(secret_file)
+    if created:
+        secret = generate_secret()
+        write_secret_file(secret_file, secret)
+    else:
+        secret = read_secret_file(secret_file)
+    old = spec.access
+    access = AccessConfig(
+        private=True,
+        secret_check=secret_check(secret, spec.run_id),
+        allow=old.allow if old else (),
+        deny=old.deny if old else (),
+    )
+    return dataclasses.replace(spec, access=access), secret, created

@@ -1,0 +1,128 @@
+"""``swarm keeper``: keep recent snapshots of every stage of a run, and serve them when a stage loses
+every replica (see ``swarm/tools/keeper.py``). Anyone can run one; the run's ``swarm init`` runs one too.
+
+    swarm keeper --initial-peers MADDR --run tiny                      # snapshots/tiny, every 180 s
+    swarm keeper --initial-peers MADDR --run tiny --dir /data/tiny --interval-s 60 --keep 5
+
+Runs until Ctrl-C or SIGTERM, printing a line per snapshot taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+from swarm.cli.commands import add_initial_peers, add_secret_file
+
+
+def add_keeper_options(p: argparse.ArgumentParser, *, default_dir: str | None) -> None:
+    """``--keeper-dir``, ``--snapshot-interval-s``, ``--keep-snapshots`` (shared with ``swarm init``)."""
+    from swarm.tools.keeper import DEFAULT_INTERVAL_S, DEFAULT_KEEP
+
+    p.add_argument(
+        "--keeper-dir",
+        "--dir",
+        dest="keeper_dir",
+        default=default_dir,
+        metavar="DIR",
+        help="where stage snapshots are kept (default: snapshots/RUN_ID)",
+    )
+    p.add_argument(
+        "--snapshot-interval-s",
+        "--interval-s",
+        dest="snapshot_interval_s",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        metavar="S",
+        help=f"download each stage's state at most this often (default {DEFAULT_INTERVAL_S:.0f}); a stage that "
+        "loses every replica rolls back at most this far",
+    )
+    p.add_argument(
+        "--keep-snapshots",
+        "--keep",
+        dest="keep_snapshots",
+        type=int,
+        default=DEFAULT_KEEP,
+        metavar="N",
+        help=f"snapshots kept on disk per stage (default {DEFAULT_KEEP})",
+    )
+
+
+def keeper_config(args: argparse.Namespace, run_id: str):  # type: ignore[no-untyped-def]
+    from swarm.tools.keeper import KeeperConfig
+
+    return KeeperConfig(
+        directory=args.keeper_dir or os.path.join("snapshots", run_id),
+        interval_s=args.snapshot_interval_s,
+        keep=args.keep_snapshots,
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "keeper",
+        help="keep recent snapshots of every stage of a run and serve them when a stage loses its peers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_initial_peers(p)
+    p.add_argument("--run", required=True, metavar="RUN_ID", help="the run to keep")
+    add_keeper_options(p, default_dir=None)
+    p.add_argument(
+        "--host-maddrs", nargs="+", default=(), metavar="MADDR", help="listen here (default loopback)"
+    )
+    p.add_argument(
+        "--announce-maddrs",
+        nargs="+",
+        default=(),
+        metavar="MADDR",
+        help="addresses others dial (port forwarding)",
+    )
+    p.add_argument("--identity", metavar="PATH", help="RSA identity file for a stable peer id")
+    p.add_argument("--public", action="store_true", help="listen on all interfaces (/ip4/0.0.0.0/tcp/0)")
+    add_secret_file(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    from swarm.dht.auth import RunAuth, load_secret
+    from swarm.dht.membership import Membership
+    from swarm.dht.network import DHTConfig, parse_maddrs, start_dht
+    from swarm.tools.keeper import Keeper
+
+    cfg = keeper_config(args, args.run)
+    dht = start_dht(
+        DHTConfig(
+            initial_peers=parse_maddrs(args.initial_peers, what="--initial-peers"),
+            host_maddrs=tuple(args.host_maddrs) or DHTConfig().host_maddrs,
+            announce_maddrs=tuple(args.announce_maddrs),
+            identity_path=args.identity,
+            public=args.public,
+        )
+    )
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    keeper = None
+    try:
+        membership = Membership(dht, args.run)
+        spec = membership.fetch_spec(timeout_s=30.0)
+        membership.set_auth(RunAuth.from_spec(spec, load_secret(args.secret_file)))
+        keeper = Keeper(dht, membership, spec, cfg).start()
+        print(
+            f"keeper {membership.peer_id} of run {spec.run_id} (spec {spec.spec_hash}): snapshots in "
+            f"{os.path.abspath(cfg.directory)}, every {cfg.interval_s:.0f} s, {cfg.keep} kept per stage",
+            flush=True,
+        )
+        print(keeper.status(), flush=True)
+        keeper.serve(stop, out=lambda line: print(line, flush=True))
+    finally:
+        if keeper is not None:
+            keeper.close()
+        dht.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("keeper stopped.", flush=True)
+    return 0

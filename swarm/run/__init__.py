@@ -1,0 +1,11 @@
+"""The run: what every process of one training run agrees on, with no networking.
+
+- ``spec``: the run spec (typed, validated config dataclasses, canonical bytes and hash).
+- ``init``: the seeded, machine-independent initialisation every weight is drawn with.
+- ``model``: the decoder split into pipeline stages (``build_stage``, ``build_model``).
+- ``subspace``: subspace-constrained runs and their exact stage-boundary coding.
+- ``optimizer``: the per-stage optimizer (Muon, AdamW, Nesterov) that stage peers step and that the
+  one-process reference training and exports share.
+
+Imports only ``swarm.errors`` and ``compression`` (docs/ARCHITECTURE.md).
+"""

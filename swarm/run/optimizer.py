@@ -1,0 +1,372 @@
+"""The stage peer's local optimizer: gradient accumulation, clipping, LR schedule, AdamW, delay-aware
+Nesterov or Muon.
+
+Why not ``torch.optim``: weight stashing needs every update to produce *new* parameter tensors (an
+in-flight backward still reads the old ones, and a kept autograd graph must not see its leaves
+change), while ``torch.optim`` updates in place. The update rules here are the standard ones,
+written out of place; ``tests/test_optimizer.py`` checks AdamW against ``torch.optim.AdamW``.
+
+Two parameter sets (note "served weights")
+-------------------------------------------
+The optimizer owns the *base* parameters ``params`` (what is checkpointed and sent to
+joining peers) and exposes :meth:`served`, the weights forwards and backwards run with. For AdamW
+and Muon they are the same tensors unless ``lookahead`` is on (note "extrapolated weights"). For
+``nesterov`` they are the look-ahead point::
+
+    served = params + c(tau) * velocity,   c(tau) = mu + mu^2 + ... + mu^(tau+1)
+
+Delay-aware look-ahead (after Ajanthan et al., "Nesterov Method for Asynchronous Pipeline Parallel
+Optimization", ICML 2025): a gradient that arrives here was computed on weights ``tau`` local steps
+old, and by the time the peer applies it, momentum will have carried the weights further. Plain NAG
+evaluates the gradient one momentum step ahead (``c = mu``); with a delay of ``tau`` steps the
+weights move by roughly ``mu + ... + mu^(tau+1)`` velocities before that gradient lands, so the
+forward looks that far ahead along the momentum. ``tau`` is an exponential moving average of the
+measured staleness (versions elapsed between a micro-batch's forward and its backward). With
+``tau = 0`` this is exactly NAG in its look-ahead form. The update itself is heavy-ball momentum on
+the base parameters: ``v <- mu v - lr (g + wd * params)``; ``params <- params + v``.
+
+Extrapolated weights (note "extrapolated weights")
+--------------------------------------------------
+AdamW and Muon get the same idea in the form of weight prediction (as SpecTrain, Chen et al. 2018,
+and PipeMare, Yang et al. 2021, do for pipelines): with ``lookahead`` = ``k`` > 0 (muon's default 1)::
+
+    served = params + k * tau * delta,     delta = the last step's change of params
+
+A micro-batch forwarded now is applied ``tau`` steps later, to weights about ``tau`` such steps
+further on, so its gradient is taken at that predicted point. ``tau`` is the same staleness EMA as
+above: 0 in sync mode and on the last stage (served = params, no extra copy), about
+``(in flight - 1) / accumulate`` on the stages before. ``delta`` is one extra copy of the stage's
+parameters, kept only while the look-ahead is on; it is not part of the state (a loaded or newly
+joined peer starts without it, i.e. without look-ahead until its first step). Measured with
+``benchmarks/async_replay.py`` (BENCHMARKS.md, "Async replay"; demo shape, 300 micro-batches, one
+seed): stale by one version AdamW's async/sync went from 1.101 to 1.050 with it and Muon's from 1.088
+to 1.060; at the simulated schedule's ~0.5 version, 1.055 to 1.023 and 1.018 to 0.998. ``k`` = 0.7
+was no better than 1 over three seeds (600 micro-batches), 1.4 and 2 were worse on one.
+
+Muon (note "muon")
+------------------
+``name: muon`` (Jordan et al. 2024, "Muon: MomentUm Orthogonalized by Newton-schulz") updates the 2-D
+weight matrices of the transformer blocks (:func:`is_muon_matrix`) and leaves everything else
+(embedding, LM head, norms, anything not 2-D) to the AdamW code above, with ``lr`` and ``betas``. Per
+matrix ``W`` (rows x cols) with gradient ``G`` and momentum ``mu`` (``muon_momentum``)::
+
+    M <- mu M + (1 - mu) G                 # the slot "muon_momentum" (an EMA, at gradient scale)
+    U  = (1 - mu) G + mu M                 # Nesterov form
+    O  = NS5(U)                            # ~ the orthogonal factor U V^T of U's SVD
+    W <- W (1 - lr_m wd) - lr_m * 0.2 sqrt(max(rows, cols)) * O
+
+NS5 is five steps of the quintic Newton-Schulz iteration with Jordan's coefficients (3.4445, -4.7750,
+2.0315) on ``U / ||U||_F``, done on the wide orientation (rows <= cols); it pushes the singular values
+into about 0.68..1.13 rather than exactly to 1, which is all the method needs. It runs in bfloat16 on
+CUDA (as Jordan's code) and in float32 elsewhere (CPUs have slow bf16 matmuls).
+
+Scale convention: ``0.2 sqrt(max(rows, cols))`` (Liu et al. 2025, "Muon is Scalable for LLM
+Training") makes the update's RMS 0.2 per element for every shape, about the RMS of an AdamW update,
+so ``muon_lr`` is on AdamW's scale (default 3 x ``lr``) instead of Jordan's ``max(1, rows/cols)^0.5``
+with its own lr around 0.02 (0.02 there is about 0.009 here for square matrices). ``lr_m`` follows the
+same warmup and schedule as ``lr`` (``OptimizerConfig.muon_lr_at``).
+
+Subspace models (swarm/run/subspace.py): a ``SubspaceLinear``'s trained parameter is ``coef`` = A in
+W = U A, and since U has orthonormal columns, orthogonalising A's gradient (``U^T dL/dW``) gives the
+same update of W as orthogonalising dL/dW projected into span(U); so ``coef`` inside a block is a
+matrix like any other. The ``SubspaceEmbedding``'s ``coef`` is an embedding and stays with AdamW.
+
+Slots exist for some parameters only: AdamW's ``exp_avg``/``exp_avg_sq`` for the AdamW part, and
+``muon_momentum`` for the matrices. :meth:`StageOptimizer.state_names` lists each slot's parameters in
+parameter order, so ``adamw`` and ``nesterov`` keep exactly the layout they always had.
+
+Accumulation: gradients of ``accumulate`` micro-batches are summed and then averaged at the step
+(the count is taken at backward completion). Clipping is by the global norm of the stage's averaged
+gradient. Learning rate: ``OptimizerConfig.lr_at(step)`` (constant or cosine with warmup).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from swarm.run.spec import OptimizerConfig
+
+__all__ = ["StageOptimizer", "is_muon_matrix", "lookahead_coefficient", "newton_schulz"]
+
+Params = dict[str, torch.Tensor]
+_ADAM_EPS = 1e-8
+_STALENESS_EMA = 0.9  # weight of the old staleness estimate per backward
+_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic (note "muon")
+_NS_STEPS = 5
+_NS_EPS = 1e-7
+_MUON_RMS = 0.2  # per-element RMS of a Muon update before lr: an AdamW update's (note "muon")
+
+
+def is_muon_matrix(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
+    """Whether Muon updates parameter ``name``: a 2-D weight inside a transformer block (``layers.*``).
+
+    Embedding (``embed.*``), LM head (``head.*``), norms and anything not 2-D go to AdamW.
+    """
+    return name.startswith("layers.") and len(shape) == 2
+
+
+def newton_schulz(g: torch.Tensor, steps: int = _NS_STEPS) -> torch.Tensor:
+    """An approximate orthogonal factor of the 2-D ``g`` (quintic Newton-Schulz, note "muon"); new tensor.
+
+    Float32 result; the iteration runs in bfloat16 on CUDA, float32 elsewhere.
+    """
+    a, b, c = _NS_COEFFICIENTS
+    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.mT  # work on the wide orientation: x @ x^T is the small (rows, rows) Gram matrix
+    x = x / (x.norm() + _NS_EPS)  # singular values into [0, 1], where the iteration converges
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    if tall:
+        x = x.mT
+    return x.float()
+
+
+def lookahead_coefficient(momentum: float, staleness: float) -> float:
+    """``mu + mu^2 + ... + mu^(tau+1)`` for a (possibly fractional) delay ``tau >= 0``."""
+    if momentum == 0.0:
+        return 0.0
+    tau = max(0.0, staleness)
+    return momentum * (1.0 - momentum ** (tau + 1.0)) / (1.0 - momentum)
+
+
+class StageOptimizer:
+    """Accumulates gradients of one stage and steps out of place.
+
+    ``params`` maps parameter names to float32 tensors on the compute device. Not thread-safe: the
+    owner (``peer/compute.py``) calls it under its weights lock.
+    """
+
+    def __init__(self, params: Params, cfg: OptimizerConfig):
+        self.cfg = cfg
+        self.names = list(params)
+        self.params: Params = {n: p.detach().clone() for n, p in params.items()}
+        self.grads: Params = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.pending = 0  # micro-batches accumulated since the last step
+        self.step_count = 0  # optimizer steps taken (drives the LR schedule)
+        self.staleness = 0.0  # EMA of versions elapsed between forward and backward
+        self.last_grad_norm = 0.0
+        self.clipped_steps = 0
+        self.lookahead = cfg.lookahead_scale  # note "extrapolated weights"; 0 = off
+        self._delta: Params | None = None  # the last step's change of params (look-ahead only)
+        # The parameters Muon updates; empty for adamw and nesterov.
+        self.matrices = (
+            [n for n, p in self.params.items() if is_muon_matrix(n, p.shape)] if cfg.name == "muon" else []
+        )
+        muon = frozenset(self.matrices)
+        adam = [n for n in self.names if n not in muon]
+        slots: dict[str, list[str]]  # slot -> the parameters that have it, in parameter order
+        if cfg.name == "nesterov":
+            slots = {"velocity": self.names}
+        else:
+            slots = {"exp_avg": adam, "exp_avg_sq": adam}
+            if self.matrices:
+                slots["muon_momentum"] = self.matrices
+        self.state: dict[str, Params] = {
+            slot: {n: torch.zeros_like(self.params[n]) for n in names} for slot, names in slots.items()
+        }
+        self._served = self._compute_served()
+
+    # ---- gradients ----------------------------------------------------------------------------
+
+    def accumulate(self, grads: Params, *, staleness: int | None = 0) -> None:
+        """Add one micro-batch's parameter gradients (missing names count as zero). ``staleness``: the
+        versions between its forward and the step that will apply it, when known now (None: told
+        later, :meth:`note_staleness`)."""
+        with torch.no_grad():
+            for name, g in grads.items():
+                if g is not None:
+                    self.grads[name].add_(g.to(self.grads[name].dtype))
+        self.pending += 1
+        if staleness is not None:
+            self.note_staleness(float(staleness), 1)
+
+    def note_staleness(self, staleness: float, count: int) -> None:
+        """``count`` micro-batches were (or will be) applied ``staleness`` versions after their forward,
+        on average: the EMA that drives the look-ahead moves as if each had been noted alone."""
+        keep = _STALENESS_EMA ** max(0, count)
+        self.staleness = keep * self.staleness + (1.0 - keep) * float(staleness)
+
+    @property
+    def ready(self) -> bool:
+        """True once ``accumulate`` micro-batches have been added since the last step."""
+        return self.pending >= self.cfg.accumulate
+
+    def zero_grad(self) -> None:
+        for g in self.grads.values():
+            g.zero_()
+        self.pending = 0
+
+    # ---- gradients combined across replicas (peer/replicas.py) -------------------------------
+
+    def take_gradients(self) -> tuple[list[torch.Tensor], int]:
+        """Hand over the accumulated gradient *sums* (in ``names`` order) and their micro-batch count;
+        accumulation restarts from zero (new buffers, so backwards arriving meanwhile are kept apart)."""
+        taken, count = [self.grads[n] for n in self.names], self.pending
+        self.grads = {n: torch.zeros_like(g) for n, g in self.grads.items()}
+        self.pending = 0
+        return taken, count
+
+    def give_back_gradients(self, sums: list[torch.Tensor], count: int) -> None:
+        """Undo :meth:`take_gradients` (a round that did not complete): add the sums back."""
+        with torch.no_grad():
+            for n, g in zip(self.names, sums, strict=True):
+                self.grads[n].add_(g.to(self.grads[n].device, self.grads[n].dtype))
+        self.pending += count
+
+    def step_with(self, mean_grads: list[torch.Tensor]) -> Params:
+        """One step with the given *mean* gradient (the replicas' combined one) instead of the local
+        accumulator, which is left as it is (backwards that arrived during the round stay in it)."""
+        kept, kept_count = self.grads, self.pending
+        device = next(iter(self.params.values())).device
+        self.grads = {
+            n: g.to(device, torch.float32, copy=True) for n, g in zip(self.names, mean_grads, strict=True)
+        }  # copies: step() zeroes them
+        self.pending = 1  # step() divides by pending: the gradient is already a mean
+        try:
+            return self.step()
+        finally:
+            self.grads, self.pending = kept, kept_count
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> Params:
+        """Apply the accumulated gradients; return the new served weights (new tensors)."""
+        if self.pending == 0:
+            raise RuntimeError("step() without accumulated gradients")
+        grads = {n: g / self.pending for n, g in self.grads.items()}  # average over micro-batches
+        total_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+        self.last_grad_norm = total_norm
+        clip = self.cfg.clip_norm
+        if clip is not None and total_norm > clip:
+            scale = clip / (total_norm + 1e-6)
+            grads = {n: g * scale for n, g in grads.items()}
+            self.clipped_steps += 1
+        lr = self.cfg.lr_at(self.step_count)
+        before = self.params
+        if self.cfg.name == "nesterov":
+            self._nesterov(grads, lr)
+        else:
+            self._adamw(grads, lr)  # every parameter of adamw; the non-matrices of muon
+            if self.matrices:
+                self._muon(grads, self.cfg.muon_lr_at(self.step_count))
+        if self.lookahead:
+            self._delta = {n: p - before[n] for n, p in self.params.items()}
+        self.step_count += 1
+        self.zero_grad()
+        self._served = self._compute_served()
+        return self._served
+
+    def _adamw(self, grads: Params, lr: float) -> None:
+        beta1, beta2 = self.cfg.betas
+        t = self.step_count + 1
+        bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
+        wd = self.cfg.weight_decay
+        new = dict(self.params)
+        for n in self.state["exp_avg"]:
+            p, m, v, g = self.params[n], self.state["exp_avg"][n], self.state["exp_avg_sq"][n], grads[n]
+            m.mul_(beta1).add_(g, alpha=1.0 - beta1)  # moments are private: in place is safe
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            denom = (v / bc2).sqrt_().add_(_ADAM_EPS)
+            # decoupled weight decay, as torch.optim.AdamW: p <- p * (1 - lr * wd) - lr * m_hat / denom
+            base = p * (1.0 - lr * wd) if wd else p
+            new[n] = base.addcdiv(m, denom, value=-lr / bc1)  # out of place: a new tensor
+        self.params = new
+
+    def _muon(self, grads: Params, lr: float) -> None:
+        """Muon on ``self.matrices`` (note "muon"); new parameter tensors, momentum updated in place."""
+        mu, wd = self.cfg.muon_beta, self.cfg.weight_decay
+        new = dict(self.params)
+        for n in self.matrices:
+            p, m, g = self.params[n], self.state["muon_momentum"][n], grads[n]
+            m.lerp_(g, 1.0 - mu)  # private slot: in place is safe
+            update = newton_schulz(g.lerp(m, mu))  # Nesterov: (1 - mu) g + mu m; (rows, cols)
+            scale = _MUON_RMS * math.sqrt(max(p.shape))
+            base = p * (1.0 - lr * wd) if wd else p
+            new[n] = base.add(update, alpha=-lr * scale)  # out of place: a new tensor
+        self.params = new
+
+    def _nesterov(self, grads: Params, lr: float) -> None:
+        mu, wd = self.cfg.momentum, self.cfg.weight_decay
+        new = {}
+        for n, p in self.params.items():
+            g = grads[n] + wd * p if wd else grads[n]
+            vel = self.state["velocity"][n]
+            vel.mul_(mu).add_(g, alpha=-lr)
+            new[n] = p + vel
+        self.params = new
+
+    def _compute_served(self) -> Params:
+        if self.cfg.name != "nesterov":
+            c = self.lookahead * self.staleness  # note "extrapolated weights"
+            if c == 0.0 or self._delta is None:
+                return self.params
+            return {n: p + c * self._delta[n] for n, p in self.params.items()}
+        c = lookahead_coefficient(self.cfg.momentum, self.staleness)
+        vel = self.state["velocity"]
+        return {n: p + c * vel[n] for n, p in self.params.items()}
+
+    def served(self) -> Params:
+        """The weights forwards run with (new tensors after every change; never mutated)."""
+        return self._served
+
+    @torch.no_grad()
+    # ---- state for checkpoints and downloads --------------------------------------------------
+
+    def _slot_layout(self) -> list[tuple[str, str]]:
+        """``(slot, parameter)`` pairs after the parameters: slots sorted, each in parameter order."""
+        return [(slot, n) for slot in sorted(self.state) for n in self.names if n in self.state[slot]]
+
+    def state_names(self) -> list[str]:
+        """Names of :meth:`state_tensors`, in order: ``param/<name>`` for every parameter, then
+        ``<slot>/<name>`` for each slot (sorted) and each parameter that has it (note "muon")."""
+        return [f"param/{n}" for n in self.names] + [f"{slot}/{n}" for slot, n in self._slot_layout()]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Base parameters and optimizer slots, in :meth:`state_names` order (live references)."""
+        return [self.params[n] for n in self.names] + [self.state[s][n] for s, n in self._slot_layout()]
+
+    def metadata(self) -> dict[str, Any]:
+        return {"step_count": self.step_count, "staleness": self.staleness, "optimizer": self.cfg.name}
+
+    @torch.no_grad()
+    def load(self, tensors: list[torch.Tensor], meta: dict[str, Any]) -> None:
+        """Replace parameters and optimizer state by ``tensors`` (as from :meth:`state_tensors`).
+
+        Shapes are checked first, so a mismatching state changes nothing (raises ``ValueError``).
+        """
+        current = self.state_tensors()
+        names = self.state_names()
+        if len(tensors) != len(current):
+            raise ValueError(f"optimizer state holds {len(tensors)} tensors, expected {len(current)}")
+        for name, new, old in zip(names, tensors, current, strict=True):
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(
+                    f"state tensor {name} has shape {tuple(new.shape)}, expected {tuple(old.shape)}"
+                )
+            if not torch.isfinite(new).all():
+                raise ValueError(f"state tensor {name} holds NaN or Inf")
+        if meta.get("optimizer", self.cfg.name) != self.cfg.name:
+            raise ValueError(
+                f"state is for optimizer {meta.get('optimizer')!r}, this run uses {self.cfg.name!r}"
+            )
+        k = len(self.names)
+        device = current[0].device
+        self.params = {
+            n: tensors[i].detach().to(device, torch.float32).clone() for i, n in enumerate(self.names)
+        }
+        state: dict[str, Params] = {slot: {} for slot in self.state}
+        for (slot, n), t in zip(self._slot_layout(), tensors[k:], strict=True):
+            state[slot][n] = t.detach().to(device, torch.float32).clone()
+        self.state = state
+        self.step_count = int(meta.get("step_count", 0))
+        self.staleness = float(meta.get("staleness", 0.0))
+        self._delta = None  # the loaded weights were not reached by a step of ours
+        self.zero_grad()
+        self._served = self._compute_served()

@@ -1,0 +1,9 @@
+"""User tools built on the layers below (each behind one ``swarm`` command).
+
+- ``bootstrap``: the node behind ``swarm init``; ``keeper``: stage snapshots that outlive peers.
+- ``status``: the per-stage status view; ``monitor``: the live web page.
+- ``generation``: ``swarm generate``; ``export``: getting the model out.
+- ``demo``: the local swarm behind ``swarm demo`` / ``make demo``.
+
+May import every layer below, ``peer/`` included (docs/ARCHITECTURE.md).
+"""
