@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from swarm.errors import RequestError
+from swarm.errors import Failure, RequestError
 
 __all__ = ["ComputeQueue", "QueueStats", "TaskKind"]
 
@@ -105,7 +105,8 @@ class ComputeQueue:
                 self.stats.refused += 1
                 raise RequestError(
                     f"busy, queue full: {n} tasks queued (max_queue={self.max_queue}); retry later or "
-                    "route to another peer of this stage"
+                    "route to another peer of this stage",
+                    failure=Failure.BUSY,
                 )
             task = _Task(kind, fn, self.clock())
             (self._backward if kind == "backward" else self._forward).append(task)

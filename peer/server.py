@@ -52,7 +52,7 @@ from peer.runtime import ComputeQueue
 from peer.stash import VersionEvicted
 from peer.throughput import ServedRate, measure_throughput, store_throughput
 from swarm.dht.auth import AuthError, PenaltyBox, RunAuth, SenderLimiter
-from swarm.errors import ConfigError, PeerFailure, RequestError, SwarmError
+from swarm.errors import ConfigError, Failure, PeerFailure, RequestError, SwarmError
 from swarm.wire.protocol import (
     BACKWARD,
     CANCEL,
@@ -767,6 +767,7 @@ class StagePeer:
                     stage=compute.stage,
                     peer=self.peer_id,
                     reason=f"stash expired: no backward within {self.spec.stash_ttl_s:.0f} s",
+                    failure=Failure.STASH_EXPIRED,
                 )
 
     async def _refresh_authorized(self) -> None:
@@ -1024,9 +1025,14 @@ class StagePeer:
                     f"(max_versions={self.spec.optimizer.max_versions})"
                 )
                 self._report_failed(
-                    fwd, stage=compute.stage, peer=self.peer_id, reason=reason, counted_from=compute.stage + 1
+                    fwd,
+                    stage=compute.stage,
+                    peer=self.peer_id,
+                    reason=reason,
+                    failure=Failure.VERSION_EVICTED,
+                    counted_from=compute.stage + 1,
                 )
-                raise RequestError(reason)
+                raise RequestError(reason, failure=Failure.VERSION_EVICTED)
             try:
                 grad = await asyncio.to_thread(
                     self._decode, message.payload, entry.output_shape, "backward", self.config.max_grad_rms
@@ -1081,7 +1087,9 @@ class StagePeer:
             if not isinstance(e, RequestError):
                 logger.exception("forward of %s failed on stage %d", h.mb_id, compute.stage)
             reason = str(e) if isinstance(e, RequestError) else f"compute error: {type(e).__name__}: {e}"
-            self._report_failed(h, stage=compute.stage, peer=self.peer_id, reason=reason)
+            self._report_failed(
+                h, stage=compute.stage, peer=self.peer_id, reason=reason, failure=_failure_of(e)
+            )
         finally:
             self._unhold(h.mb_id)
 
@@ -1162,7 +1170,12 @@ class StagePeer:
                 logger.exception("backward of %s failed on stage %d", h.mb_id, compute.stage)
             reason = str(e) if isinstance(e, RequestError) else f"compute error: {type(e).__name__}: {e}"
             self._report_failed(
-                fwd, stage=compute.stage, peer=self.peer_id, reason=reason, counted_from=compute.stage + 1
+                fwd,
+                stage=compute.stage,
+                peer=self.peer_id,
+                reason=reason,
+                failure=_failure_of(e),
+                counted_from=compute.stage + 1,
             )
         finally:
             self._unhold(h.mb_id)
@@ -1360,11 +1373,25 @@ class StagePeer:
             counted = header.stage + 1 if name == BACKWARD else -1
             await self._report(
                 origin.trainer,
-                self._failed(origin, stage=header.stage, peer=peer, reason=str(e), counted_from=counted),
+                self._failed(
+                    origin,
+                    stage=header.stage,
+                    peer=peer,
+                    reason=str(e),
+                    failure=e.failure or Failure.ERROR,
+                    counted_from=counted,
+                ),
             )
 
     def _failed(
-        self, h: ForwardHeader, *, stage: int, peer: str, reason: str, counted_from: int = -1
+        self,
+        h: ForwardHeader,
+        *,
+        stage: int,
+        peer: str,
+        reason: str,
+        failure: Failure,
+        counted_from: int = -1,
     ) -> Report:
         """A ``failed`` report; ``counted_from``: in the backward phase, the first stage of those that
         already added this micro-batch's gradient (all later ones did too), so a retry skips them."""
@@ -1375,15 +1402,25 @@ class StagePeer:
             stage=stage,
             peer=peer,
             reason=reason[:2000],
+            failure=failure,
             counted_from=counted_from if 0 <= counted_from < len(h.route) else -1,
         )
 
     def _report_failed(
-        self, h: ForwardHeader, *, stage: int, peer: str, reason: str, counted_from: int = -1
+        self,
+        h: ForwardHeader,
+        *,
+        stage: int,
+        peer: str,
+        reason: str,
+        failure: Failure,
+        counted_from: int = -1,
     ) -> None:
         if self._abandoned(h.trainer, h.mb_id):
             return  # nobody waits for it
-        report = self._failed(h, stage=stage, peer=peer, reason=reason, counted_from=counted_from)
+        report = self._failed(
+            h, stage=stage, peer=peer, reason=reason, failure=failure, counted_from=counted_from
+        )
         self._send(self._report(h.trainer, report), hold=h.mb_id)
 
     async def _report(self, trainer: str, report: Report, payload: bytes = b"") -> None:
@@ -1406,6 +1443,12 @@ class StagePeer:
                 self._trainer_unreachable(trainer)  # note "trainers that vanish"
             return
         self._trainer_heard[trainer] = time.monotonic()
+
+
+def _failure_of(e: Exception) -> Failure:
+    """The failure code of an exception raised by this peer's own forward or backward: a refusal's
+    own code (``version_evicted``), else ``error`` (note "failure codes" in swarm/wire/protocol.py)."""
+    return (e.failure if isinstance(e, RequestError) else None) or Failure.ERROR
 
 
 class PoisonError(RequestError):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from swarm.errors import RequestError
+from swarm.errors import Failure, RequestError
 
 __all__ = ["VersionEvicted", "WeightVersions", "StashEntry", "MicroBatchStash"]
 
@@ -33,6 +33,8 @@ Params = dict[str, torch.Tensor]
 
 class VersionEvicted(RequestError):
     """A backward asked for a weight version this peer no longer keeps."""
+
+    failure = Failure.VERSION_EVICTED
 
 
 class WeightVersions:

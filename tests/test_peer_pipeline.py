@@ -17,7 +17,7 @@ from compression import decode_any, get_codec
 from peer import PeerConfig, StagePeer
 from swarm.dht.membership import Membership
 from swarm.dht.network import DHTConfig, start_dht, visible_maddrs
-from swarm.errors import RequestError
+from swarm.errors import Failure, RequestError
 from swarm.run.model import build_model, lm_loss
 from swarm.run.optimizer import StageOptimizer
 from swarm.run.spec import RunSpec
@@ -285,6 +285,7 @@ def test_refusals_and_failed_hop_reports():
                     if report.mb_id == mb:
                         break
             assert report.kind == "failed" and report.stage == 1 and report.peer == driver.peer_id
+            assert report.failure is Failure.UNREACHABLE  # the driver serves no FORWARD handler
             assert len(peers[0].compute.stash) == 0  # dropped with the failure
         finally:
             await stop_all(peers, driver)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from swarm.errors import PeerFailure, RequestError
+from swarm.errors import Failure, PeerFailure, RequestError
 from swarm.wire.protocol import (
     PART_BYTES,
     ForwardHeader,
@@ -144,6 +144,8 @@ def test_loopback_round_trip_and_refusal():
             async def handler(message, remote):
                 if message.header.get("refuse"):
                     raise RequestError("refused on purpose")
+                if message.header.get("busy"):
+                    raise RequestError("full up, try later", failure=Failure.BUSY)
                 seen.append((message.header["n"], len(message.payload), remote))
                 return {"echo": message.header["n"], "size": len(message.payload)}
 
@@ -152,8 +154,12 @@ def test_loopback_round_trip_and_refusal():
             reply = await call(client, server.peer_id, "test.echo", Message({"n": 7}, big), timeout_s=20)
             assert reply == {"ok": True, "echo": 7, "size": len(big)}
             assert seen[0][2] == client.peer_id
-            with pytest.raises(RequestError, match="refused on purpose"):
+            with pytest.raises(RequestError, match="refused on purpose") as refused:
                 await call(client, server.peer_id, "test.echo", Message({"refuse": True}), timeout_s=20)
+            assert refused.value.failure is Failure.REFUSED  # the code travels; nobody reads the text
+            with pytest.raises(RequestError, match="full up") as busy:
+                await call(client, server.peer_id, "test.echo", Message({"busy": True}), timeout_s=20)
+            assert busy.value.failure is Failure.BUSY
             with pytest.raises(RequestError, match="cap"):
                 await call(
                     client, server.peer_id, "test.echo", Message({"n": 1}, b"q" * (9 << 20)), timeout_s=20
@@ -163,8 +169,9 @@ def test_loopback_round_trip_and_refusal():
                 "echo"
             ] == 2
             await server.shutdown()
-            with pytest.raises(PeerFailure):
+            with pytest.raises(PeerFailure) as gone:
                 await call(client, server.peer_id, "test.echo", Message({"n": 3}), timeout_s=5)
+            assert gone.value.failure in (Failure.UNREACHABLE, Failure.TIMEOUT)
         finally:
             await client.shutdown()
             await server.shutdown()

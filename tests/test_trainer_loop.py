@@ -19,12 +19,12 @@ import torch
 from swarm.client.liveness import LivenessConfig
 from swarm.client.routing import RoutingConfig
 from swarm.dht.records import PeerRecord
-from swarm.errors import ConfigError, PeerFailure, StageUnavailableError
+from swarm.errors import ConfigError, Failure, PeerFailure, StageUnavailableError
 from swarm.run.spec import RunSpec
 from swarm.train.data import DataConfig, TokenData
 from swarm.train.metrics import read_metrics
-from swarm.train.trainer import Trainer, TrainerConfig, classify_failure, read_resume_state, service_seconds
-from swarm.wire.protocol import Report
+from swarm.train.trainer import REACTIONS, Trainer, TrainerConfig, read_resume_state, service_seconds
+from swarm.wire.protocol import Report, legacy_failure
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
@@ -150,7 +150,7 @@ class SimSwarm:
             stats: dict[str, float] = {}
             for s, p in enumerate(route):
                 if p in self.dead:  # the previous hop cannot deliver and says so
-                    self._report(mb_id, "failed", s, p, reason="unreachable")
+                    self._report(mb_id, "failed", s, p, reason="unreachable", failure=Failure.UNREACHABLE)
                     return
                 self.at[mb_id] = p
                 if p in self.silent:
@@ -175,6 +175,7 @@ class SimSwarm:
                     0,
                     route[0],
                     reason="version evicted: weight version 0 is gone",
+                    failure=Failure.VERSION_EVICTED,
                     counted_from=1,
                 )
                 return
@@ -285,7 +286,14 @@ def test_peer_dying_with_work_queued_closes_all_its_attempts_at_once(tmp_path):
             while getattr(trainer, "ledger", None) is None or len(through_doomed()) < 2:
                 await asyncio.sleep(0.005)
             sim.dead.add(pid("doomed"))  # one hop notices and reports it; the others stay silent
-            sim._report(through_doomed()[0].mb_id, "failed", 1, pid("doomed"), reason="unreachable")
+            sim._report(
+                through_doomed()[0].mb_id,
+                "failed",
+                1,
+                pid("doomed"),
+                reason="unreachable",
+                failure=Failure.UNREACHABLE,
+            )
             return await asyncio.wait_for(run, timeout=30)
         finally:
             await sim.close()
@@ -392,11 +400,50 @@ def test_service_seconds_reads_per_stage_stats():
         ("version evicted: weight version 3 of stage 1 is gone (max_versions=3)", "version_evicted"),
         ("stash expired: no backward within 120 s", "stash_expired"),
         ("swarmpipe.stage.backward to QmX failed: stream closed", "unreachable"),
+        ("swarmpipe.stage.backward to QmX: the stream closed without a reply", "unreachable"),
+        ("swarmpipe.stage.backward to QmX: the reply is not valid msgpack", "error"),
+        ("compute error: RuntimeError: CUDA out of memory", "error"),
         ("something odd", "error"),
+        # the text's shape decides, never a word inside a peer id
+        ("swarmpipe.stage.forward to 12D3KooWbusyQueueFull timed out after 30.0 s", "timeout"),
+        (
+            "12D3KooWbusy refused swarmpipe.stage.forward: this peer is leaving and takes no new forwards",
+            "refused",
+        ),
+        ("swarmpipe.stage.forward to QmEvictedTimeout failed: connection reset", "unreachable"),
     ],
 )
-def test_failure_texts_are_classified(text, kind):
-    assert classify_failure(text) == kind
+def test_failure_texts_of_older_peers_are_read_by_their_shape(text, kind):
+    assert legacy_failure(text) is Failure(kind)
+
+
+def test_a_failed_report_with_a_code_is_never_read_from_its_text():
+    """A peer id containing "busy" no longer makes a timeout look like backpressure."""
+    text = "swarmpipe.stage.forward to 12D3KooWbusyXYZ timed out after 30.0 s; busy, queue full"
+    wire = Report(
+        run_id="r",
+        mb_id="m",
+        kind="failed",
+        stage=1,
+        peer="12D3KooWbusyXYZ",
+        reason=text,
+        failure=Failure.TIMEOUT,
+    ).to_wire()
+    assert wire["failure"] == "timeout"
+    assert Report.from_wire(wire).failure is Failure.TIMEOUT
+    older = {k: v for k, v in wire.items() if k != "failure"}  # a peer from before failure codes
+    assert Report.from_wire(older).failure is Failure.TIMEOUT
+    assert Report.from_wire(wire | {"failure": "from_the_future"}).failure is Failure.TIMEOUT  # by its text
+    done = Report(run_id="r", mb_id="m", kind="done", stage=0, peer="p").to_wire()
+    assert done["failure"] == "" and Report.from_wire(done).failure is None
+
+
+def test_every_failure_code_has_a_reaction():
+    assert set(REACTIONS) == set(Failure)
+    suspect = {f.value for f, r in REACTIONS.items() if r.backoff}
+    assert suspect == {"unreachable", "timeout", "error"}
+    assert [f.value for f, r in REACTIONS.items() if r.pause] == ["busy"]
+    assert [f.value for f, r in REACTIONS.items() if r.dead] == ["unreachable"]
 
 
 def test_tensorboard_sink_receives_the_step_records(tmp_path):

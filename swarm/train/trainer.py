@@ -21,11 +21,13 @@ One micro-batch (see swarm/wire/protocol.py for the wire side)
    only token ids travel again) up to ``max_attempts`` times, then counted as dropped. The ledger
    (swarm/train/accounting.py) keeps ``opened == completed + dropped + in flight + pending``.
 
-Failures (note "failure classes", below ``classify_failure``)
-------------------------------------------------------------
-Every failure text is mapped to a class. ``unreachable``, ``timeout`` and ``error`` back off from
-the peer they name (exponential, routing.Router.on_failure); ``busy`` pauses it briefly; staleness
-refusals (``version_evicted``, ``stash_expired``) and ``refused`` name no culprit. A peer found
+Failures (note "failure classes", at ``REACTIONS``)
+---------------------------------------------------
+Every failure arrives with its code (``swarm.errors.Failure``: in a refusal, a ``failed`` report or a
+``PeerFailure``; note "failure codes" in swarm/wire/protocol.py), and ``REACTIONS`` says what each
+does to the peer it names: ``unreachable``, ``timeout`` and ``error`` back off from it (exponential,
+routing.Router.on_failure); ``busy`` pauses it briefly; staleness refusals (``version_evicted``,
+``stash_expired``) and ``refused`` name no culprit. A peer found
 unreachable closes every other attempt routed through it at once (they could only time out), and a
 stage-0 peer that never acknowledged a micro-batch before its deadline is the one blamed for it.
 Per-peer in-flight counts are capped (note "staleness cap" in swarm/client/routing.py) so that peers keep
@@ -102,7 +104,7 @@ from typing import IO, TYPE_CHECKING, Any
 from swarm.client.link import SwarmLink
 from swarm.client.liveness import HoldCheck, Liveness, LivenessConfig, RttEstimator, hold_verdict, next_check
 from swarm.client.routing import NoPeersError, Router, RoutingConfig, staleness_caps
-from swarm.errors import ConfigError, PeerFailure, RequestError, StageUnavailableError
+from swarm.errors import ConfigError, Failure, PeerFailure, RequestError, StageUnavailableError
 from swarm.train.accounting import Attempt, Ledger, MicroBatch
 from swarm.train.data import DataConfig, TokenData, build_data
 from swarm.train.logging_sinks import make_sinks
@@ -131,7 +133,8 @@ __all__ = [
     "ResumeState",
     "read_resume_state",
     "service_seconds",
-    "classify_failure",
+    "REACTIONS",
+    "Reaction",
     "inflight_rule_of_thumb",
 ]
 
@@ -259,54 +262,36 @@ class TrainerConfig:
             )
 
 
-# Failure classes (note "failure classes"): what a failure says about the peer it names.
-#   unreachable, timeout, error -> the peer is suspect: exponential backoff (routing.Router.on_failure)
-#   busy                        -> its queue is full: a short pause, no failure counted
-#   version_evicted, stash_expired, refused -> about this micro-batch (staleness, a peer joining or
-#                                  leaving), not the peer's health: no backoff, the retry avoids it
-#   lost                        -> no peer of its route holds it any more (note "failure detection"):
-#                                  names nobody
-_BLAMED = frozenset({"unreachable", "timeout", "error"})
+@dataclass(frozen=True)
+class Reaction:
+    """What a failure does to the peer it names (note "failure classes")."""
+
+    backoff: bool = False  # the peer is suspect: exponential backoff (routing.Router.on_failure)
+    pause: bool = False  # its queue is full: a short pause, no failure counted (routing.Router.on_busy)
+    dead: bool = False  # most likely dead: no CANCEL to it, and every other attempt through it closes now
+    names_stage: bool = True  # with no peer named, the failed stage's peer of the route is the one
+
+
+# Note "failure classes": the reaction to each failure code.
+#   version_evicted, stash_expired, refused: about this micro-batch (staleness, a peer joining or
+#     leaving), not the peer's health: no backoff, the retry avoids it.
+#   lost: no peer of its route holds it any more (note "failure detection"): names nobody.
+#   timeout: a silence names nobody unless the caller names the peer (no acknowledgement).
+REACTIONS: dict[Failure, Reaction] = {
+    Failure.UNREACHABLE: Reaction(backoff=True, dead=True),
+    Failure.TIMEOUT: Reaction(backoff=True, names_stage=False),
+    Failure.ERROR: Reaction(backoff=True),
+    Failure.BUSY: Reaction(pause=True),
+    Failure.REFUSED: Reaction(),
+    Failure.VERSION_EVICTED: Reaction(),
+    Failure.STASH_EXPIRED: Reaction(),
+    Failure.LOST: Reaction(),
+}
 
 
 def inflight_rule_of_thumb(stages: int, peers: int) -> int:
     """Micro-batches to keep in flight for ``stages`` stages served by ``peers`` peers in all."""
     return max(2 * stages, peers)
-
-
-def classify_failure(reason: str) -> str:
-    """Map a failure text (a ``PeerFailure.reason`` or a peer's ``failed`` report) to a short class."""
-    text = reason.lower()
-    if text in (
-        "unreachable",
-        "timeout",
-        "busy",
-        "refused",
-        "version_evicted",
-        "stash_expired",
-        "error",
-        "lost",
-    ):
-        return text
-    if text == "garbage":
-        return "error"
-    for needle, kind in (
-        ("busy", "busy"),
-        ("queue full", "busy"),
-        ("evicted", "version_evicted"),
-        ("stash expired", "stash_expired"),
-        ("timed out", "timeout"),
-        ("timeout", "timeout"),
-        (" refused swarmpipe.", "refused"),  # swarm.wire.protocol.call's text for a refusal reply
-        ("takes no new", "refused"),
-        ("failed:", "unreachable"),  # swarm.wire.protocol.call's text for a dead or unreachable peer
-        ("unreachable", "unreachable"),
-        ("closed", "unreachable"),
-        ("connection refused", "unreachable"),
-    ):
-        if needle in text:
-            return kind
-    return "error"
 
 
 def service_seconds(stats: dict[str, float], stage: int) -> float | None:
@@ -664,10 +649,14 @@ class Trainer:
         names that peer (it is hanging or gone); otherwise the silence names nobody."""
         for attempt in self.ledger.expired(now):
             if attempt.acked:
-                self._fail(attempt, reason="timeout", stage=None, peer=None)
+                self._fail(attempt, reason=Failure.TIMEOUT, stage=None, peer=None)
             else:
                 self._fail(
-                    attempt, reason="timeout", stage=0, peer=attempt.route[0], detail="no acknowledgement"
+                    attempt,
+                    reason=Failure.TIMEOUT,
+                    stage=0,
+                    peer=attempt.route[0],
+                    detail="no acknowledgement",
                 )
 
     async def _drain(self) -> None:
@@ -782,11 +771,9 @@ class Trainer:
             if attempt.state == "inflight":  # note "failure detection": the adaptive check time
                 self.checks[attempt.mb_id] = HoldCheck(check_at=attempt.started + self.rtt.rto_s)
         except PeerFailure as e:
-            self._fail(
-                attempt, reason=classify_failure(e.reason), stage=0, peer=attempt.route[0], detail=str(e)
-            )
-        except RequestError as e:
-            reason = "busy" if classify_failure(str(e)) == "busy" else "refused"
+            self._fail(attempt, reason=e.failure, stage=0, peer=attempt.route[0], detail=str(e))
+        except RequestError as e:  # stage 0 refused it: busy, or anything else is a refusal of this one
+            reason = Failure.BUSY if e.failure is Failure.BUSY else Failure.REFUSED
             self._fail(attempt, reason=reason, stage=0, peer=attempt.route[0], detail=str(e))
         self.wake.set()
 
@@ -839,7 +826,7 @@ class Trainer:
                 data["counted_from"] = report.counted_from if known < 0 else min(known, report.counted_from)
             self._fail(
                 attempt,
-                reason=classify_failure(report.reason or "error"),
+                reason=report.failure or Failure.ERROR,
                 stage=report.stage,
                 peer=report.peer or None,
                 detail=report.reason,
@@ -911,7 +898,7 @@ class Trainer:
         self,
         attempt: Attempt,
         *,
-        reason: str,
+        reason: Failure,
         stage: int | None,
         peer: str | None,
         detail: str = "",
@@ -924,20 +911,21 @@ class Trainer:
         would only find out at its deadline (its gradients must come back through that peer), so
         those are closed at once too (``cascade``: they count no second failure against the peer).
         """
+        react = REACTIONS[reason]
         blamed = peer if peer in attempt.route else None
-        if blamed is None and stage is not None and 0 <= stage < len(attempt.route) and reason != "timeout":
+        if blamed is None and stage is not None and 0 <= stage < len(attempt.route) and react.names_stage:
             blamed = attempt.route[stage]
-        decision = self.ledger.fail(attempt.mb_id, reason=reason, stage=stage, peer=blamed)
+        decision = self.ledger.fail(attempt.mb_id, reason=reason.value, stage=stage, peer=blamed)
         if decision == "stale":
             return
         self.checks.pop(attempt.mb_id, None)
         for pid in set(attempt.route):  # the route's other peers drop what they hold of it (CANCEL)
-            if not (pid == blamed and reason == "unreachable") and pid not in self.dead:
+            if not (pid == blamed and react.dead) and pid not in self.dead:
                 self.cancels[pid].append(attempt.mb_id)
         for pid in attempt.route:
-            if pid == blamed and reason in _BLAMED and not cascade:
+            if pid == blamed and react.backoff and not cascade:
                 self.router.on_failure(pid)
-            elif pid == blamed and reason == "busy":
+            elif pid == blamed and react.pause:
                 self.router.on_busy(pid)
             else:
                 self.router.release(pid)
@@ -947,7 +935,7 @@ class Trainer:
         self._event(
             "attempt_failed",
             mb_id=attempt.mb_id,
-            reason=reason,
+            reason=reason.value,
             stage=stage,
             peer=blamed,
             decision=decision,
@@ -958,12 +946,12 @@ class Trainer:
                 self._resolved_train()
             else:
                 self._eval_progress()
-        if reason == "unreachable" and blamed is not None and not cascade:
+        if react.dead and blamed is not None and not cascade:
             for other in self.ledger.inflight_attempts():
                 if blamed in other.route:
                     self._fail(
                         other,
-                        reason="unreachable",
+                        reason=reason,
                         stage=other.route.index(blamed),
                         peer=blamed,
                         detail=f"its route holds {blamed}, which just failed as unreachable",
@@ -1018,10 +1006,10 @@ class Trainer:
             now = self._clock()
             if e.reason == "timeout":
                 if self.liveness.probe_timed_out(peer, now):
-                    self._peer_dead(peer, "timeout", f"{live.max_misses} probes timed out: {e}", sent)
+                    self._peer_dead(peer, Failure.TIMEOUT, f"{live.max_misses} probes timed out: {e}", sent)
             else:
                 self.liveness.probe_failed(peer, now)
-                self._peer_dead(peer, "unreachable", f"probe failed: {e}", sent)
+                self._peer_dead(peer, Failure.UNREACHABLE, f"probe failed: {e}", sent)
             return
         except RequestError:  # it answered (a refusal): alive, holdings unknown
             reply = None
@@ -1043,20 +1031,20 @@ class Trainer:
             ):
                 self._fail(
                     attempt,
-                    reason="lost",
+                    reason=Failure.LOST,
                     stage=None,
                     peer=None,
                     detail=f"no peer of its route holds it ({live.quiet_rounds} checks)",
                 )
         self.wake.set()
 
-    def _peer_dead(self, peer: str, reason: str, detail: str, sent: float) -> None:
+    def _peer_dead(self, peer: str, reason: Failure, detail: str, sent: float) -> None:
         """``peer`` is gone: close every attempt through it at once and keep it out of routes."""
         now = self._clock()
         self.dead[peer] = now
         through = [a for a in self.ledger.inflight_attempts() if peer in a.route]
-        self.detected.append({"peer": peer, "time": now, "reason": reason, "attempts": len(through)})
-        self._event("peer_dead", peer=peer, reason=reason, attempts=len(through), detail=detail[:200])
+        self.detected.append({"peer": peer, "time": now, "reason": reason.value, "attempts": len(through)})
+        self._event("peer_dead", peer=peer, reason=reason.value, attempts=len(through), detail=detail[:200])
         if not through:
             self.router.on_failure(peer, in_flight=False)
         for i, attempt in enumerate(through):

@@ -21,9 +21,18 @@ Access (``swarm/dht/auth.py``): in a private run the sender adds ``payload_sha25
 buffered or decoded. ``read_message`` checks ``payload_sha256`` whenever a header carries it.
 
 Replies are a single ``ExpertResponse`` whose ``metadata`` is a msgpack dict: ``{"ok": True, ...}``
-or ``{"ok": False, "error": "...", "code": "..."}``. Refusals are replies, not exceptions, so a peer
-that refuses garbage does not log a traceback per request; the caller turns them into
-:class:`~swarm.errors.RequestError`.
+or ``{"ok": False, "error": "...", "code": "...", "failure": "..."}``. Refusals are replies, not
+exceptions, so a peer that refuses garbage does not log a traceback per request; the caller turns them
+into :class:`~swarm.errors.RequestError` whose ``failure`` is the reply's (note "failure codes").
+
+Failure codes (note "failure codes")
+------------------------------------
+What went wrong travels as a ``swarm.errors.Failure`` value: ``failure`` in a refusal reply (``busy``,
+``version_evicted``, ``refused``, ...) and in a ``failed`` report (also ``timeout``, ``unreachable``,
+``error``, ``stash_expired``); ``error`` and ``reason`` are text for humans and nobody parses them.
+``code`` (the exception's type name) stays for older callers. Peers older than the codes send no
+``failure``: only then :func:`legacy_failure` reads their text, by the fixed shapes those versions
+wrote (never by a word anywhere in it, which a peer id could contain).
 
 Flow of one training micro-batch (the trainer's view is in swarm/train/trainer.py's module docstring)
 ------------------------------------------------------------------------------------------
@@ -55,6 +64,7 @@ import asyncio
 import dataclasses
 import hashlib
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -66,7 +76,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from swarm.errors import PeerFailure, RequestError
+from swarm.errors import Failure, PeerFailure, RequestError
 
 __all__ = [
     "PROTOCOL_TAG",
@@ -312,9 +322,13 @@ class Report:
     # ``failed`` reports of the backward phase: the stages >= counted_from already added this
     # micro-batch's gradient (-1: none did, e.g. a forward failure)
     counted_from: int = -1
+    # ``failed`` reports: what broke (note "failure codes"); None only for reports built without one
+    failure: Failure | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["failure"] = "" if self.failure is None else self.failure.value
+        return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Report:
@@ -340,7 +354,54 @@ class Report:
             version=int(d.get("version", -1)),
             stats=_check_stats(d.get("stats", {}), what),
             counted_from=_opt_int(d, "counted_from", -1, what, -1, _MAX_ROUTE),
+            failure=_report_failure(kind, d.get("failure"), reason[:2000]),
         )
+
+
+def _report_failure(kind: str, value: Any, reason: str) -> Failure | None:
+    """A report's failure code; a ``failed`` report of an older peer (no code) gets its text's."""
+    if kind != "failed":
+        return None
+    return Failure.parse(value) or legacy_failure(reason)
+
+
+# Note "failure codes": the fixed shapes of the texts peers wrote before failure codes existed.
+# ``call``'s texts start with the protocol name and the peer id, or the peer id and "refused";
+# a peer's own failures start with their kind.
+_CALL_TEXT = re.compile(
+    r"(?s)[\w.]+ to \S+(?P<what> timed out after |: the stream closed without a reply| failed: |: )"
+)
+_REFUSAL_TEXT = re.compile(r"(?s)\S+ refused [\w.]+: (?P<error>.*)")
+
+
+def legacy_failure(text: str) -> Failure:
+    """The failure of a ``failed`` report from a peer older than failure codes, read from its text."""
+    code = Failure.parse(text)
+    if code is not None:
+        return code
+    m = _CALL_TEXT.match(text)
+    if m is not None:
+        what = m.group("what")
+        if what == " timed out after ":
+            return Failure.TIMEOUT
+        return Failure.ERROR if what == ": " else Failure.UNREACHABLE  # ": " = a garbled reply
+    m = _REFUSAL_TEXT.match(text)
+    if m is not None:
+        return _legacy_refusal(m.group("error"))
+    if text.startswith("version evicted: "):
+        return Failure.VERSION_EVICTED
+    if text.startswith("stash expired: "):
+        return Failure.STASH_EXPIRED
+    return Failure.ERROR
+
+
+def _legacy_refusal(error: str) -> Failure:
+    """The failure of a refusal reply from a peer older than failure codes, by its error text."""
+    if error.startswith("busy, queue full"):
+        return Failure.BUSY
+    if error.startswith("version evicted: "):
+        return Failure.VERSION_EVICTED
+    return Failure.REFUSED
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,7 +605,8 @@ async def serve(
             if on_refused is not None:
                 on_refused(e)
             await _discard_rest(parts)
-            return _reply({"ok": False, "error": str(e), "code": type(e).__name__})
+            failure = e.failure or Failure.REFUSED
+            return _reply({"ok": False, "error": str(e), "code": type(e).__name__, "failure": failure.value})
 
     await p2p.add_protobuf_handler(
         name, _handle, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
@@ -616,7 +678,9 @@ async def call(
     if not isinstance(reply, dict):
         raise PeerFailure(f"{name} to {peer_id}: the reply is not a map", peer=str(peer_id), reason="garbage")
     if not reply.get("ok"):
-        raise RequestError(f"{peer_id} refused {name}: {reply.get('error', 'no reason given')}")
+        text = str(reply.get("error", "no reason given"))
+        failure = Failure.parse(reply.get("failure")) or _legacy_refusal(text)
+        raise RequestError(f"{peer_id} refused {name}: {text}", failure=failure)
     return reply
 
 
