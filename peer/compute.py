@@ -122,13 +122,15 @@ class StageCompute:
         *,
         device: torch.device | str = "cpu",
         clock: Callable[[], float] = time.monotonic,
+        initial: dict[str, torch.Tensor] | None = None,
     ):
         from swarm.run.subspace import make_boundary
 
         self.spec = spec
         self.stage = stage
         self.device = torch.device(device)
-        self.module = build_stage(spec, stage, device=self.device)
+        # initial: the stage's weights at version 0 (a checkpoint's), instead of the seed's draws
+        self.module = build_stage(spec, stage, device=self.device, weights=initial)
         self.module.requires_grad_(False)
         self.is_first, self.is_last = self.module.is_first, self.module.is_last
         self.optimizer = StageOptimizer(dict(self.module.named_parameters()), spec.optimizer)

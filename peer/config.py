@@ -107,6 +107,10 @@ class PeerConfig:
     """Start a stage from its initial weights even though the run has trained and no live replica,
     keeper snapshot or checkpoint of the stage can be loaded (otherwise the peer refuses to start:
     ``swarm.dht.snapshots.StageStateLost``). The event is published for trainers and monitors."""
+    weights_dir: str | None = None
+    """A local copy of the checkpoint a ``--from-pretrained`` run was made from (``swarm peer --weights
+    DIR``): the stage's initial weights when no live replica or keeper sends its state. Only the stage's
+    own tensors are read (memory-mapped), and checked against the spec's digest."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -161,6 +165,13 @@ class PeerConfig:
             raise ConfigError(f"start_fresh={self.start_fresh!r} must be True or False")
         if self.checkpoint_dir is not None:
             set_(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
+        if self.weights_dir is not None:
+            if not os.path.isdir(self.weights_dir):
+                raise ConfigError(
+                    f"--weights {os.fspath(self.weights_dir)!r} is not a directory; give the local checkpoint "
+                    "directory (config.json, *.safetensors) the run was made from"
+                )
+            set_(self, "weights_dir", os.fspath(self.weights_dir))
         if self.identity_path is not None:
             set_(self, "identity_path", os.fspath(self.identity_path))
 

@@ -4,7 +4,8 @@ Lifecycle (``start`` .. ``shutdown``)::
 
     DHT up -> fetch + verify the run spec -> pick a stage (placement, or --stage) -> measure
     throughput -> announce "joining" -> load the stage's state (a same-stage donor via hivemind's
-    load_state_from_peers; else --checkpoint-dir; else the spec's seed) -> serve FORWARD / BACKWARD
+    load_state_from_peers, a keeper's snapshot included; else --checkpoint-dir; else the spec's seed, or
+    for a --from-pretrained run the --weights checkpoint, digest-checked) -> serve FORWARD / BACKWARD
     / INFO -> announce "online" -> background: announce + rebalance (every ~5 s, jittered),
     stash expiry, averaging, checkpoints -> on stop: "leaving", drain, checkpoint, shut down.
 
@@ -109,7 +110,7 @@ class StagePeer:
         self.auth: Any = None  # swarm.dht.auth.RunAuth once the spec is known
         self._penalties = PenaltyBox(config.penalty_s)
         self._limiter = SenderLimiter(config.max_queue_per_sender)
-        self.loaded_from = ""  # "peer", "checkpoint" or "seed": where the stage's state came from
+        self.loaded_from = ""  # "peer", "keeper", "checkpoint", "seed" or "weights" (--weights DIR)
         self._dht: Any = None
         self._p2p: Any = None
         self._membership: Any = None
@@ -326,17 +327,20 @@ class StagePeer:
             ServedRate(self.throughput, now=time.monotonic()) if self.config.throughput is None else None
         )
         self._fwd_s.clear()
-        compute = await asyncio.to_thread(StageCompute, self.spec, stage, device=self.device)
+        initial = await self._initial_weights(stage)
+        compute = await asyncio.to_thread(StageCompute, self.spec, stage, device=self.device, initial=initial)
+        del initial  # the compute holds its own copy
         compute.on_gate_change = self._notify_queue
         self._compute = compute
         await self._announce()
-        meta, tensors = compute.export_state()
+        # the state's shapes only: a copy of the state (export_state) would cost 3x the stage's memory here
+        shapes = [t.shape for t in compute.optimizer.state_tensors()]
         self._averager = StageAverager.create(
             self._dht,
             run_id=self.spec.run_id,
             spec_hash=self.spec.spec_hash,
             stage=stage,
-            shapes=tensors,
+            shapes=shapes,
             grad_shapes=[compute.optimizer.params[n].shape for n in compute.optimizer.names],
             state_fn=self._donor_state,
             min_matchmaking_time_s=self.config.averaging_matchmaking_s,
@@ -367,6 +371,7 @@ class StagePeer:
                     break  # no other replica is alive: retrying would only reach the keeper again
             elif loaded is not None:
                 try:
+                    self._check_initial(stage, loaded, "a live replica")
                     compute.import_state(*loaded)
                     self.loaded_from = "peer"
                     break
@@ -380,9 +385,7 @@ class StagePeer:
         logger.info(
             "stage %d: state from %s (version %d) in %.1f s",
             stage,
-            {"peer": "a live replica", "keeper": "the keeper's snapshot", "checkpoint": "the checkpoint"}.get(
-                self.loaded_from, "the spec's seed"
-            ),
+            _SOURCES.get(self.loaded_from, "the spec's seed"),
             compute.version,
             time.monotonic() - t_state,
         )
@@ -401,6 +404,63 @@ class StagePeer:
         )
         self._rounds.start()
         self._notify_queue()
+
+    async def _initial_weights(self, stage: int) -> dict[str, torch.Tensor] | None:
+        """A --from-pretrained run's initial weights of ``stage`` from ``--weights`` (only its tensors, read
+        memory-mapped and checked against the spec's digest: a mismatch stops the peer), or None. Read
+        before the stage is built, so that no seed is drawn; a live replica or keeper still comes first.
+        Without ``--weights``: zeros (``placeholder_weights``), never served (the seed means nothing here)."""
+        if self.config.weights_dir is None:
+            if self.spec.pretrained is None:
+                return None
+            from swarm.run.pretrained import placeholder_weights
+
+            return await asyncio.to_thread(placeholder_weights, self.spec, stage)
+        if self.spec.pretrained is None:
+            logger.warning(
+                "--weights %s ignored: run %r does not continue a checkpoint (its initial weights come from "
+                "its seed)",
+                self.config.weights_dir,
+                self.spec.run_id,
+            )
+            return None
+        from swarm.run.pretrained import check_stage_weights, read_stage_weights
+
+        directory = self.config.weights_dir
+
+        def read() -> dict[str, torch.Tensor]:
+            weights = read_stage_weights(directory, self.spec, stage)
+            check_stage_weights(self.spec, stage, weights, source=f"--weights {directory}")
+            return weights
+
+        return await asyncio.to_thread(read)
+
+    def _check_initial(
+        self, stage: int, state: tuple[dict[str, Any], list[torch.Tensor]], source: str
+    ) -> None:
+        """A shared state at version 0 of a --from-pretrained run must hold the checkpoint's weights
+        (``RequestError`` otherwise, so the caller refuses it like any bad state)."""
+        from swarm.run.pretrained import check_initial_state
+
+        try:
+            check_initial_state(self.spec, stage, state[0], state[1], source=source)
+        except ConfigError as e:
+            raise RequestError(str(e)) from None
+
+    def _initial_source(self, stage: int) -> tuple[str, str | None]:
+        """Where a stage that no one sends state for starts: ``("seed", None)``, ``("weights", None)``
+        for a --from-pretrained run with ``--weights``, or ``("", why not)``."""
+        pre = self.spec.pretrained
+        if pre is None:
+            return "seed", None
+        if self.config.weights_dir is not None:
+            return "weights", None
+        return "", (
+            f"stage {stage} of run {self.spec.run_id!r} continues the checkpoint {pre.source!r}, and neither a "
+            "live replica nor a keeper sent its weights: start this peer with --weights DIR, a local copy of "
+            f"that checkpoint (only stage {stage}'s tensors are read and checked against the run spec), or "
+            "make sure the run's keeper (`swarm init --from-pretrained ...`) is reachable, then retry"
+        )
 
     async def _keeper_holds(self, stage: int) -> bool:
         """Whether a keeper's index in the DHT lists a snapshot of ``stage``."""
@@ -447,6 +507,7 @@ class StagePeer:
             assert best is not None
             try:
                 if best.source == "keeper":
+                    self._check_initial(stage, best.payload, "the keeper")
                     compute.import_state(*best.payload)
                 else:
                     compute.import_state(best.payload.meta | {"version": best.version}, best.payload.tensors)
@@ -456,20 +517,20 @@ class StagePeer:
                 logger.warning("refused the %s state of stage %d: %s", best.source, stage, e)
                 candidates.remove(best)
         else:
+            self.loaded_from, problem = self._initial_source(stage)
             if evidence is not None and not self.config.start_fresh:
+                problem = lost_state_message(self.spec.run_id, stage, evidence)
+            if problem is not None:
                 if self._averager is not None:
                     await asyncio.to_thread(self._averager.shutdown)
                     self._averager = None
-                raise StageStateLost(lost_state_message(self.spec.run_id, stage, evidence))
-            self.loaded_from = "seed"
+                raise StageStateLost(problem)
         if others:
             logger.warning(
                 "stage %d has %d online peer record(s) but none sent its state; started from the %s",
                 stage,
                 others,
-                {"keeper": "keeper's snapshot", "checkpoint": "checkpoint", "seed": "spec's seed"}[
-                    self.loaded_from
-                ],
+                _SOURCES[self.loaded_from].removeprefix("the "),
             )
         if evidence is None or await self._live_replicas(stage) > 1:
             return  # a fresh run, or live replicas exist: the replica rounds bring this peer up to date
@@ -484,8 +545,8 @@ class StagePeer:
             run_id=self.spec.run_id,
             spec_hash=self.spec.spec_hash,
             stage=stage,
-            kind="fresh" if self.loaded_from == "seed" else "rollback",
-            source=self.loaded_from,
+            kind="fresh" if self.loaded_from in ("seed", "weights") else "rollback",
+            source="seed" if self.loaded_from == "weights" else self.loaded_from,  # the initial weights
             version=version,
             lost_from=seen,
             at=time.time(),
@@ -700,18 +761,21 @@ class StagePeer:
         from swarm.dht.snapshots import lost_state_message, training_evidence
 
         live = [pid for pid, r in records[stage].items() if pid != self.peer_id and r.state == "online"]
-        if live or self.config.start_fresh:
+        if live or (self.config.start_fresh and self._initial_source(stage)[1] is None):
             return True
         indexes = await asyncio.to_thread(self._membership.snapshot_indexes)
         if any(stage < len(i.versions) and i.versions[stage] >= 0 for i in indexes):
             return True
         evidence = training_evidence(records, await asyncio.to_thread(self._membership.progress), indexes)
-        if evidence is None:
+        if evidence is None and self._initial_source(stage)[1] is None:
             return True
         if stage not in self._move_refused:
             self._move_refused.add(stage)
+            why = self._initial_source(stage)[1] if evidence is None else None
             logger.warning(
-                "not moving to stage %d: %s", stage, lost_state_message(self.spec.run_id, stage, evidence)
+                "not moving to stage %d: %s",
+                stage,
+                why or lost_state_message(self.spec.run_id, stage, evidence),
             )
         return False
 
@@ -1449,6 +1513,15 @@ def _failure_of(e: Exception) -> Failure:
     """The failure code of an exception raised by this peer's own forward or backward: a refusal's
     own code (``version_evicted``), else ``error`` (note "failure codes" in swarm/wire/protocol.py)."""
     return (e.failure if isinstance(e, RequestError) else None) or Failure.ERROR
+
+
+_SOURCES = {
+    "peer": "a live replica",
+    "keeper": "the keeper's snapshot",
+    "checkpoint": "the checkpoint",
+    "seed": "the spec's seed",
+    "weights": "the checkpoint given with --weights",
+}
 
 
 class PoisonError(RequestError):

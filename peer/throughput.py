@@ -38,18 +38,13 @@ try:
 except ImportError:  # not POSIX: no lock (peers of one machine may then lose each other's figure)
     fcntl = None  # type: ignore[assignment]
 
+from swarm.run.cache import default_cache_dir
 from swarm.run.model import autocast_dtype, build_stage, lm_loss
 from swarm.run.spec import RunSpec
 
 __all__ = ["measure_throughput", "store_throughput", "default_cache_dir", "device_name", "ServedRate"]
 
 logger = logging.getLogger(__name__)
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/swarmpipe`` or ``~/.cache/swarmpipe``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "swarmpipe"
 
 
 def device_name(device: torch.device) -> str:
@@ -66,7 +61,12 @@ def _bench(spec: RunSpec, stage: int, device: torch.device, budget_s: float) -> 
     use (up to the run's micro-batch size), so a slow CPU measures on fewer sequences instead of
     overrunning the budget, and a GPU measures on full micro-batches.
     """
-    module = build_stage(spec, stage, device=device)
+    weights = None
+    if spec.pretrained is not None:  # the checkpoint's values do not change the speed; drawing them is slow
+        from swarm.run.pretrained import placeholder_weights
+
+        weights = placeholder_weights(spec, stage)
+    module = build_stage(spec, stage, device=device, weights=weights)
     amp = autocast_dtype(spec, device)
     seq = spec.model.seq_len
     gen = torch.Generator().manual_seed(0)

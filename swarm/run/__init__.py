@@ -4,6 +4,8 @@
 - ``init``: the seeded, machine-independent initialisation every weight is drawn with.
 - ``model``: the decoder split into pipeline stages (``build_stage``, ``build_model``).
 - ``subspace``: subspace-constrained runs and their exact stage-boundary coding.
+- ``pretrained``: runs that continue a Hugging Face Llama checkpoint (config, per-stage reads, digests).
+- ``cache``: where this machine caches throughputs and run tokenizers.
 - ``optimizer``: the per-stage optimizer (Muon, AdamW, Nesterov) that stage peers step and that the
   one-process reference training and exports share.
 

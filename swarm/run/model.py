@@ -28,7 +28,7 @@ m = build_model(RunSpec.from_yaml('examples/tiny.yaml')); print(sum(p.numel() fo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from swarm.errors import ConfigError, RequestError
 from swarm.run.init import INIT_STD, derive_seed, fill_bell_
-from swarm.run.spec import ModelConfig, RunSpec
+from swarm.run.spec import ModelConfig, RopeScalingConfig, RunSpec
 from swarm.run.subspace import fixed_embedding, subspace_basis
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "SubspaceEmbedding",
     "SwarmModel",
     "build_stage",
+    "stage_shapes",
     "build_model",
     "lm_loss",
     "autocast_dtype",
@@ -77,9 +78,11 @@ class Rotary(nn.Module):
     of what peers send each other) yet still follow ``.to(device)``.
     """
 
-    def __init__(self, head_dim: int, seq_len: int, theta: float):
+    def __init__(self, head_dim: int, seq_len: int, theta: float, scaling: RopeScalingConfig | None = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if scaling is not None:
+            inv_freq = scaled_frequencies(inv_freq, scaling)
         positions = torch.arange(seq_len, dtype=torch.float64)
         angles = torch.outer(positions, inv_freq)  # (T_max, D/2)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
@@ -91,6 +94,24 @@ class Rotary(nn.Module):
         sin = self.sin[:t].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)  # rotate the pairs (x1[i], x2[i]) by angle[t, i]
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScalingConfig) -> torch.Tensor:
+    """RoPE frequencies after ``scaling``, by the rules of transformers' ``linear`` and ``llama3`` RoPE."""
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    assert scaling.low_freq_factor is not None and scaling.high_freq_factor is not None  # checked by the spec
+    assert scaling.original_max_position_embeddings is not None
+    old_len = float(scaling.original_max_position_embeddings)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / scaling.low_freq_factor, old_len / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 # Note [subspace reparametrisation]: a constrained projection stores only A (k x in, the parameter
@@ -140,10 +161,15 @@ class SubspaceEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    """Causal self-attention with RoPE; with ``n_kv_heads`` < ``n_heads``, grouped-query attention (the
+    fused ``qkv`` then has ``d_model + 2 * n_kv_heads * head_dim`` rows: q, then k, then v)."""
+
     def __init__(self, cfg: ModelConfig, rank: int | None = None):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.n_kv_heads = cfg.kv_heads
+        self.kv_width = cfg.kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * self.kv_width, bias=False)
         self.proj: nn.Module = (
             nn.Linear(cfg.d_model, cfg.d_model, bias=False)
             if rank is None
@@ -151,11 +177,23 @@ class Attention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        if self.n_kv_heads != self.n_heads:
+            return self._grouped(x, rotary)
         b, t, c = x.shape  # (B, T, C)
         q, k, v = self.qkv(x).split(c, dim=-1)
         q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
         q, k = rotary(q), rotary(k)  # (B, H, T, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
+
+    def _grouped(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        b, t, c = x.shape  # (B, T, C)
+        d = c // self.n_heads
+        q, k, v = self.qkv(x).split([c, self.kv_width, self.kv_width], dim=-1)
+        q = q.view(b, t, self.n_heads, d).transpose(1, 2)  # (B, H, T, D)
+        k, v = (z.view(b, t, self.n_kv_heads, d).transpose(1, 2) for z in (k, v))  # (B, KV, T, D)
+        q, k = rotary(q), rotary(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
 
 
@@ -236,15 +274,22 @@ def _seeded(
     seed: int,
     residual_std: float,
     subspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    draw: bool = True,
 ) -> nn.Module:
     """``factory()`` built on the meta device, allocated on CPU, then initialised from ``seed``.
 
     ``subspace``: the run's ``(U, E_fix)``, copied into the buffers of any subspace module.
+    ``draw=False`` leaves the module on the meta device, holding no memory: the caller assigns its
+    weights (``load_state_dict(..., assign=True)``, see ``build_stage``).
     """
     with torch.device("meta"):
         module = factory()
+    if not draw and subspace is None:
+        return module
     module = module.to_empty(device="cpu")
-    _init_(module, seed, residual_std=residual_std)
+    if draw:
+        _init_(module, seed, residual_std=residual_std)
     for m in module.modules():
         if isinstance(m, (SubspaceLinear, SubspaceEmbedding)):
             assert subspace is not None, "a subspace module needs the run's basis"
@@ -266,7 +311,7 @@ class StageModule(nn.Module):
     Output: hidden states ``(B, T, C)``, or logits ``(B, T, vocab)`` on the last stage.
     """
 
-    def __init__(self, spec: RunSpec, stage: int):
+    def __init__(self, spec: RunSpec, stage: int, *, draw: bool = True):
         super().__init__()
         cfg = spec.model
         self.cfg = cfg
@@ -277,7 +322,8 @@ class StageModule(nn.Module):
         self.is_last = stage == spec.num_stages - 1
 
         # Parts are created on the meta device (no memory, no draws from the global RNG, which
-        # nn.Linear's default init would advance), then allocated on CPU and drawn from their seeds.
+        # nn.Linear's default init would advance), then allocated on CPU and drawn from their seeds
+        # (``draw=False``: left uninitialised, for weights loaded right after, see ``build_stage``).
         std = INIT_STD / math.sqrt(2 * cfg.n_layers)
         seed = spec.seed
         rank = cfg.subspace_rank
@@ -285,34 +331,37 @@ class StageModule(nn.Module):
         c_first, c_end = self.constrained_layers
         needs_subspace = rank is not None and (self.is_first or self.first_layer < c_end)
         subspace = _subspace_tensors(spec) if needs_subspace else None
+        embed_seed = derive_seed(seed, "embed")
         if not self.is_first:
             self.embed = None
         elif rank is None:
             self.embed = _seeded(
-                lambda: nn.Embedding(cfg.vocab_size, cfg.d_model), derive_seed(seed, "embed"), std
+                lambda: nn.Embedding(cfg.vocab_size, cfg.d_model), embed_seed, std, draw=draw
             )
         else:
             self.embed = _seeded(
                 lambda: SubspaceEmbedding(cfg.vocab_size, cfg.d_model, rank),
-                derive_seed(seed, "embed"),
+                embed_seed,
                 std,
                 subspace,
+                draw=draw,
             )
-        self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
 
         def block(i: int) -> nn.Module:
             constrained = rank is not None and c_first <= i < c_end
             factory = (lambda: Block(cfg, rank)) if constrained else (lambda: Block(cfg))
-            return _seeded(factory, derive_seed(seed, "layer", i), std, subspace if constrained else None)
+            layer_seed = derive_seed(seed, "layer", i)
+            return _seeded(factory, layer_seed, std, subspace if constrained else None, draw=draw)
 
         # Keyed by the global layer index so names do not depend on the stage split.
         self.layers = nn.ModuleDict({str(i): block(i) for i in range(self.first_layer, self.end_layer)})
         # RMSNorm weights start at 1 and draw nothing, so the seed is irrelevant.
         self.norm = _seeded(lambda: RMSNorm(cfg.d_model, cfg.norm_eps), 0, std) if self.is_last else None
+        # A tied head draws the embedding's values: the embedding's seed, the same (V, C) matrix.
+        head_seed = embed_seed if cfg.tie_embeddings else derive_seed(seed, "head")
         self.head = (
-            _seeded(
-                lambda: nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), derive_seed(seed, "head"), std
-            )
+            _seeded(lambda: nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), head_seed, std, draw=draw)
             if self.is_last
             else None
         )
@@ -378,13 +427,34 @@ def _subspace_tensors(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     return subspace_basis(spec), fixed_embedding(spec)
 
 
-def build_stage(spec: RunSpec, stage: int, *, device: torch.device | str | None = None) -> StageModule:
+def build_stage(
+    spec: RunSpec,
+    stage: int,
+    *,
+    device: torch.device | str | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> StageModule:
     """Stage ``stage`` of ``spec`` with its deterministic initial weights, in float32.
 
     Weights are always drawn on CPU (CPU and CUDA generators differ) and then moved to ``device``.
+    ``weights``: the stage's whole state dict in float32 (e.g. a checkpoint's, ``swarm.run.pretrained``),
+    used instead of drawing anything: the module takes the tensors themselves (no copy, so a peer holds
+    a stage's weights once while it starts); a missing, extra or misshapen tensor raises ``ConfigError``.
     """
-    module = StageModule(spec, stage)
+    module = StageModule(spec, stage, draw=weights is None)
+    if weights is not None:
+        try:
+            module.load_state_dict(weights, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ConfigError(
+                f"the weights given for stage {stage} of run {spec.run_id!r} do not fit its layers: {e}"
+            ) from None
     return module.to(device) if device is not None else module
+
+
+def stage_shapes(spec: RunSpec, stage: int) -> dict[str, torch.Size]:
+    """The stage's parameter names and shapes, in order, without drawing or allocating its weights."""
+    return {name: p.shape for name, p in StageModule(spec, stage, draw=False).named_parameters()}
 
 
 def build_model(spec: RunSpec, *, device: torch.device | str | None = None) -> SwarmModel:

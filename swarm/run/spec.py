@@ -9,7 +9,8 @@ Layout of a spec (YAML or dict)::
     run_id: tiny                     # 1-64 chars of [A-Za-z0-9_-]
     seed: 0                          # every weight is derived from it (see swarm/run/model.py)
     model: {vocab_size, d_model, n_layers, n_heads, seq_len, ffn_hidden?, rope_theta?, norm_eps?,
-            subspace?: {rank: k} or {ratio: r}}   # see swarm/run/subspace.py
+            subspace?: {rank: k} or {ratio: r},   # see swarm/run/subspace.py
+            n_kv_heads?, rope_scaling?: {type, factor, ...}, tie_embeddings?}
     stages: 2                        # or explicit half-open layer ranges: [[0, 3], [3, 8]]
     codecs: {activations: blockwise8, gradients: blockwise8}
     optimizer: {name?, lr?, schedule?, warmup_steps?, total_steps?, min_lr_ratio?, weight_decay?,
@@ -18,6 +19,8 @@ Layout of a spec (YAML or dict)::
     micro_batch_size: 8
     autocast: auto                   # auto | none | bf16 | fp16
     stash_ttl_s: 120
+    access?: {private, secret_check?, allow?, deny?}          # see swarm/dht/auth.py
+    pretrained?: {source, stage_digests, tokenizer?}          # see swarm/run/pretrained.py
 
 Keys marked ``?`` (and whole ``optimizer`` / ``averaging`` sections, ``seed``, ``autocast``,
 ``stash_ttl_s``) are optional. Unknown keys are rejected with the list of valid ones, so a typo never
@@ -52,7 +55,10 @@ __all__ = [
     "OptimizerConfig",
     "AveragingConfig",
     "AccessConfig",
+    "RopeScalingConfig",
+    "PretrainedConfig",
     "split_layers",
+    "read_spec_yaml",
     "MAX_SPEC_BYTES",
 ]
 
@@ -155,6 +161,8 @@ def _check_bool(path: str, value: Any) -> bool:
 # bytes and the hash). Used for options added after runs existed, so that a spec that does not use
 # the option keeps the hash it had before the option was added.
 _OMIT_IF_NONE = "omit_if_none"
+# Same for a field whose value equals its default (a flag added later, e.g. ``model.tie_embeddings``).
+_OMIT_IF_DEFAULT = "omit_if_default"
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -232,6 +240,61 @@ class SubspaceConfig:
         return math.floor(d_model / self.ratio)
 
 
+ROPE_SCALINGS = ("linear", "llama3")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScalingConfig:
+    """RoPE frequency scaling, as transformers' Llama applies it (``rope_type`` linear or llama3).
+
+    ``linear`` divides every frequency by ``factor``; ``llama3`` (Llama 3.1) divides the low
+    frequencies (wavelength above ``original_max_position_embeddings / low_freq_factor``) by
+    ``factor``, keeps the high ones (below ``... / high_freq_factor``) and interpolates in between.
+    """
+
+    _SECTION: ClassVar[str] = "model.rope_scaling"
+
+    type: str
+    """``linear`` or ``llama3``."""
+    factor: float
+    """How much longer the context is than the one the frequencies were trained for (>= 1)."""
+    low_freq_factor: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """llama3 only (Llama 3.1 uses 1)."""
+    high_freq_factor: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """llama3 only (Llama 3.1 uses 4); must exceed low_freq_factor."""
+    original_max_position_embeddings: int | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """llama3 only: the context length of the unscaled model (Llama 3.1 uses 8192)."""
+
+    def __post_init__(self) -> None:
+        s = self._SECTION
+        _check_choice(f"{s}.type", self.type, ROPE_SCALINGS)
+        hint = "Copy the values from the checkpoint's config.json (rope_scaling / rope_parameters)."
+        _set(self, "factor", _check_float(f"{s}.factor", self.factor, ge=1.0, le=1e6, hint=hint))
+        extras = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        given = [name for name in extras if getattr(self, name) is not None]
+        if self.type == "linear":
+            if given:
+                raise _reject(f"{s}.{given[0]}", getattr(self, given[0]), "only llama3 scaling has it", hint)
+            return
+        missing = [name for name in extras if getattr(self, name) is None]
+        if missing:
+            raise _reject(f"{s}.{missing[0]}", None, "llama3 scaling needs it", hint)
+        for name in ("low_freq_factor", "high_freq_factor"):
+            _set(self, name, _check_float(f"{s}.{name}", getattr(self, name), gt=0.0, le=1e6, hint=hint))
+        if not self.high_freq_factor > self.low_freq_factor:  # type: ignore[operator]
+            raise _reject(
+                f"{s}.high_freq_factor", self.high_freq_factor, "it must exceed low_freq_factor", hint
+            )
+        _check_int(
+            f"{s}.original_max_position_embeddings",
+            self.original_max_position_embeddings,
+            lo=1,
+            hi=MAX_SEQ_LEN,
+            hint=hint,
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A GPT/Llama-style decoder: RMSNorm, RoPE, SwiGLU, pre-norm residual blocks, no biases."""
@@ -257,6 +320,17 @@ class ModelConfig:
     subspace: SubspaceConfig | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """Constrain the model so stage boundaries send k numbers per token (``{rank: k}`` or
     ``{ratio: r}``, see swarm/run/subspace.py); None = an ordinary model. Needs at least 2 stages."""
+    n_kv_heads: int | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """Key/value heads (grouped-query attention: each serves n_heads / n_kv_heads query heads);
+    None = n_heads (ordinary multi-head attention). Must divide n_heads."""
+    rope_scaling: RopeScalingConfig | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """RoPE frequency scaling of long-context checkpoints (``{type: linear, factor}`` or Llama 3's
+    ``{type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}``);
+    None = plain RoPE."""
+    tie_embeddings: bool = field(default=False, metadata={_OMIT_IF_DEFAULT: True})
+    """The LM head starts as a copy of the token embedding (checkpoints with tied embeddings). The
+    embedding lives on stage 0 and the head on the last stage, usually different peers, so the two
+    copies train separately after that (an export writes them untied)."""
 
     def __post_init__(self) -> None:
         s = self._SECTION
@@ -331,6 +405,38 @@ class ModelConfig:
             ),
         )
         self._check_subspace()
+        self._check_attention_extras()
+
+    def _check_attention_extras(self) -> None:
+        """n_kv_heads divides n_heads; rope_scaling is a RopeScalingConfig (or a mapping); a bool flag."""
+        s = self._SECTION
+        if self.n_kv_heads is not None:
+            _check_int(
+                f"{s}.n_kv_heads",
+                self.n_kv_heads,
+                lo=1,
+                hi=self.n_heads,
+                hint=f"Give a number of key/value heads that divides n_heads ({self.n_heads}), or leave it out.",
+            )
+            if self.n_heads % self.n_kv_heads:
+                raise _reject(
+                    f"{s}.n_kv_heads",
+                    self.n_kv_heads,
+                    f"it must divide model.n_heads ({self.n_heads})",
+                    "Use a divisor of n_heads (grouped-query attention), or leave it out.",
+                )
+        scaling = self.rope_scaling
+        if isinstance(scaling, Mapping):
+            scaling = RopeScalingConfig(**_take_keys(f"{s}.rope_scaling", scaling, RopeScalingConfig))
+            _set(self, "rope_scaling", scaling)
+        if scaling is not None and not isinstance(scaling, RopeScalingConfig):
+            raise _reject(
+                f"{s}.rope_scaling",
+                scaling,
+                "it must be a mapping such as {type: linear, factor: 2.0}",
+                "Leave rope_scaling out for plain RoPE.",
+            )
+        _check_bool(f"{s}.tie_embeddings", self.tie_embeddings)
 
     def _check_subspace(self) -> None:
         """Accept ``subspace`` as a SubspaceConfig or a mapping (parsed YAML); check k against d_model."""
@@ -370,6 +476,11 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads in effect: ``n_kv_heads``, or ``n_heads`` without grouped-query attention."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
     def ffn_hidden_size(self) -> int:
         """The SwiGLU hidden width actually used: ``ffn_hidden`` or the default (multiple of 32 >= 8/3 C).
 
@@ -388,7 +499,8 @@ class ModelConfig:
         """
         c, h = self.d_model, self.ffn_hidden_size
         out = self.subspace_rank if constrained and self.subspace_rank is not None else c
-        return 3 * c * c + out * c + 2 * c * h + out * h + 2 * c
+        kv = self.kv_heads * self.head_dim  # width of k and of v
+        return c * c + 2 * c * kv + out * c + 2 * c * h + out * h + 2 * c
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -734,6 +846,44 @@ class AccessConfig:
             _set(self, name, tuple(sorted(set(value))))
 
 
+@dataclass(frozen=True, kw_only=True)
+class PretrainedConfig:
+    """Where a run's initial weights come from when it continues an existing checkpoint
+    (``swarm init --from-pretrained DIR``, see swarm/run/pretrained.py). Left out of the spec (and its
+    hash) when absent: the initial weights are then drawn from ``seed``."""
+
+    _SECTION: ClassVar[str] = "pretrained"
+
+    source: str
+    """The checkpoint's name (its directory name), for people; peers check the digests, not this."""
+    stage_digests: tuple[str, ...]
+    """sha256 (64 hex chars) of each stage's initial weights, in stage order
+    (``swarm.run.pretrained.stage_digest``): a peer starting a stage checks the weights it got against it."""
+    tokenizer: str | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """sha256 of the checkpoint's tokenizer.json: trainers and ``swarm generate`` use that tokenizer
+    (and refuse another file); None = the checkpoint came without one."""
+
+    def __post_init__(self) -> None:
+        s = self._SECTION
+        source = self.source
+        if not isinstance(source, str) or not 1 <= len(source) <= 200 or not source.isprintable():
+            raise _reject(
+                f"{s}.source", source, "it must be 1-200 printable characters", "Name the checkpoint."
+            )
+        hint = "Let `swarm init --from-pretrained DIR` compute it; do not edit it by hand."
+        digests = self.stage_digests
+        if isinstance(digests, (str, bytes)) or not isinstance(digests, Sequence) or not digests:
+            raise _reject(f"{s}.stage_digests", digests, "it must be a list with one digest per stage", hint)
+        for i, d in enumerate(digests):
+            if not isinstance(d, str) or not _HEX64.fullmatch(d):
+                raise _reject(f"{s}.stage_digests[{i}]", d, "it must be 64 lowercase hex characters", hint)
+        _set(self, "stage_digests", tuple(digests))
+        if self.tokenizer is not None and (
+            not isinstance(self.tokenizer, str) or not _HEX64.fullmatch(self.tokenizer)
+        ):
+            raise _reject(f"{s}.tokenizer", self.tokenizer, "it must be 64 lowercase hex characters", hint)
+
+
 # ---------------------------------------------------------------------------------------------
 # The run spec
 # ---------------------------------------------------------------------------------------------
@@ -765,6 +915,8 @@ class RunSpec:
     """Seconds a stashed forward waits for its backward before it is dropped (its micro-batch fails)."""
     access: AccessConfig | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """Private run / allow / deny lists (swarm/dht/auth.py); None = open to everyone (hash unchanged)."""
+    pretrained: PretrainedConfig | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    """The checkpoint the run continues (swarm/run/pretrained.py); None = initial weights from ``seed``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str):
@@ -828,6 +980,33 @@ class RunSpec:
         if self.access is not None and not isinstance(self.access, AccessConfig):
             raise _reject(
                 "access", self.access, "it must be an AccessConfig", "Load the spec with RunSpec.from_dict."
+            )
+        self._check_pretrained()
+
+    def _check_pretrained(self) -> None:
+        """One initial-weights digest per stage; a checkpoint's layers cannot be subspace-constrained."""
+        pre = self.pretrained
+        if pre is None:
+            return
+        if not isinstance(pre, PretrainedConfig):
+            raise _reject(
+                "pretrained", pre, "it must be a PretrainedConfig", "Load the spec with RunSpec.from_dict."
+            )
+        if len(pre.stage_digests) != self.num_stages:
+            raise _reject(
+                "pretrained.stage_digests",
+                f"{len(pre.stage_digests)} digests",
+                f"there must be one per stage ({self.num_stages})",
+                "Digests belong to one stage split: run `swarm init --from-pretrained DIR --stages N` again "
+                "to change the split.",
+            )
+        if self.model.subspace is not None:
+            raise _reject(
+                "model.subspace",
+                _to_plain(self.model.subspace),
+                "a run that continues a checkpoint cannot constrain its layers to a subspace (the "
+                "checkpoint's weights are not in one)",
+                "Leave model.subspace out of a --from-pretrained run.",
             )
 
     # ---- derived quantities -------------------------------------------------------------------
@@ -920,9 +1099,10 @@ class RunSpec:
             "optimizer": OptimizerConfig,
             "averaging": AveragingConfig,
             "access": AccessConfig,
+            "pretrained": PretrainedConfig,
         }
         for name, section_cls in sections.items():
-            if name == "access" and top.get(name, {}) is None:
+            if name in ("access", "pretrained") and top.get(name, {}) is None:
                 continue  # `access:` with nothing under it: an open run
             if name in top:
                 # `optimizer:` with every key commented out parses as None: treat it as "all defaults".
@@ -947,31 +1127,39 @@ class RunSpec:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> RunSpec:
         """Load a run spec file (see examples/tiny.yaml). ``3e-3`` parses as a number, as in YAML 1.2."""
-        import yaml  # imported here: only file loading needs PyYAML
+        return cls.from_dict(read_spec_yaml(path))
 
-        try:
-            size = os.path.getsize(path)
-            if size > MAX_YAML_FILE_BYTES:
-                raise ConfigError(
-                    f"run spec file {os.fspath(path)!r} is {size} bytes, above {MAX_YAML_FILE_BYTES}; "
-                    "is this the right file? A run spec is a short YAML file like examples/tiny.yaml."
-                )
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
+
+def read_spec_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A run spec file parsed but not validated (``RunSpec.from_yaml`` validates it; ``swarm init
+    --from-pretrained`` takes the sections other than ``model`` from it)."""
+    import yaml  # imported here: only file loading needs PyYAML
+
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_YAML_FILE_BYTES:
             raise ConfigError(
-                f"cannot read run spec file {os.fspath(path)!r} ({e.strerror or e}); check the path, "
-                "or start from examples/tiny.yaml"
-            ) from e
-        try:
-            data = yaml.load(text, Loader=_spec_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
-        except yaml.YAMLError as e:
-            raise ConfigError(
-                f"run spec file {os.fspath(path)!r} is not valid YAML: {e}. Fix the line shown above."
-            ) from e
-        if data is None:
-            data = {}
-        return cls.from_dict(data)
+                f"run spec file {os.fspath(path)!r} is {size} bytes, above {MAX_YAML_FILE_BYTES}; "
+                "is this the right file? A run spec is a short YAML file like examples/tiny.yaml."
+            )
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot read run spec file {os.fspath(path)!r} ({e.strerror or e}); check the path, "
+            "or start from examples/tiny.yaml"
+        ) from e
+    try:
+        data = yaml.load(text, Loader=_spec_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"run spec file {os.fspath(path)!r} is not valid YAML: {e}. Fix the line shown above."
+        ) from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise _reject("spec", data, "a run spec must be a mapping of keys to values", "Check the spec file.")
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1055,6 +1243,7 @@ def _to_plain(value: Any) -> Any:
             f.name: _to_plain(getattr(value, f.name))
             for f in dataclasses.fields(value)
             if not (f.metadata.get(_OMIT_IF_NONE) and getattr(value, f.name) is None)
+            and not (f.metadata.get(_OMIT_IF_DEFAULT) and getattr(value, f.name) == f.default)
         }
     if isinstance(value, (tuple, list)):
         return [_to_plain(v) for v in value]

@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 from swarm.dht.network import DHTConfig
 from swarm.dht.records import PeerRecord, check_run_id
 from swarm.errors import ConfigError, PeerFailure, RecordError, StageUnavailableError, SwarmError
+from swarm.run.pretrained import _HF_TOP, _hf_layer_names
 
 if TYPE_CHECKING:
     import hivemind
@@ -320,38 +321,19 @@ def dense_stage_weights(module: StageModule) -> dict[str, torch.Tensor]:
     return out
 
 
-def _hf_layer_names(i: int) -> dict[str, str]:
-    """Our names -> transformers' Llama names for layer ``i`` (qkv is split, see ``to_hf_state_dict``)."""
-    ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-    return {
-        ours + "attn_norm.weight": theirs + "input_layernorm.weight",
-        ours + "attn.proj.weight": theirs + "self_attn.o_proj.weight",
-        ours + "ffn_norm.weight": theirs + "post_attention_layernorm.weight",
-        ours + "ffn.gate.weight": theirs + "mlp.gate_proj.weight",
-        ours + "ffn.up.weight": theirs + "mlp.up_proj.weight",
-        ours + "ffn.down.weight": theirs + "mlp.down_proj.weight",
-    }
-
-
-_HF_TOP = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "head.weight": "lm_head.weight",
-}
-
-
 def to_hf_state_dict(spec: RunSpec, dense: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Dense weights under transformers' ``LlamaForCausalLM`` names.
 
-    The fused ``qkv`` (3C, C) splits row-wise into q, k, v, each (C, C) with heads in row blocks of
-    ``head_dim``, which is Llama's layout; RoPE pairs match (module docstring), so no permutation.
+    The fused ``qkv`` (C + 2 KV, C) splits row-wise into q (C, C), k and v (KV, C) (KV = n_kv_heads *
+    head_dim; C without grouped-query attention) with heads in row blocks of ``head_dim``, which is
+    Llama's layout; RoPE pairs match (module docstring), so no permutation.
     """
-    c = spec.model.d_model
+    sizes = qkv_sizes(spec)
     out = {_HF_TOP[name]: dense[name] for name in _HF_TOP}
     for i in range(spec.model.n_layers):
         for ours, theirs in _hf_layer_names(i).items():
             out[theirs] = dense[ours]
-        q, k, v = dense[f"layers.{i}.attn.qkv.weight"].split(c, dim=0)
+        q, k, v = dense[f"layers.{i}.attn.qkv.weight"].split(sizes, dim=0)
         prefix = f"model.layers.{i}.self_attn."
         out[prefix + "q_proj.weight"], out[prefix + "k_proj.weight"], out[prefix + "v_proj.weight"] = (
             q.contiguous(),
@@ -359,6 +341,13 @@ def to_hf_state_dict(spec: RunSpec, dense: Mapping[str, torch.Tensor]) -> dict[s
             v.contiguous(),
         )
     return out
+
+
+def qkv_sizes(spec: RunSpec) -> list[int]:
+    """Rows of q, k and v in the fused ``qkv`` weight of every layer."""
+    m = spec.model
+    kv = m.kv_heads * m.head_dim
+    return [m.d_model, kv, kv]
 
 
 def from_hf_state_dict(spec: RunSpec, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -408,10 +397,10 @@ def hf_config_dict(spec: RunSpec) -> dict[str, Any]:
         intermediate_size=m.ffn_hidden_size,
         num_hidden_layers=m.n_layers,
         num_attention_heads=m.n_heads,
-        num_key_value_heads=m.n_heads,
+        num_key_value_heads=m.kv_heads,
         head_dim=m.head_dim,
         hidden_act="silu",
-        max_position_embeddings=m.seq_len,
+        max_position_embeddings=_max_positions(spec),
         rms_norm_eps=m.norm_eps,
         attention_bias=False,
         mlp_bias=False,
@@ -421,12 +410,41 @@ def hf_config_dict(spec: RunSpec) -> dict[str, Any]:
         pad_token_id=None,
         architectures=["LlamaForCausalLM"],
     )
+    rope = hf_rope_parameters(spec)
     if "rope_parameters" in params:  # transformers >= 5
-        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
+        kwargs["rope_parameters"] = rope
     else:
-        kwargs["rope_theta"] = float(m.rope_theta)
+        kwargs["rope_theta"] = rope.pop("rope_theta")
+        if rope["rope_type"] != "default":
+            kwargs["rope_scaling"] = rope
     kwargs["dtype" if "dtype" in params else "torch_dtype"] = "float32"
     return LlamaConfig(**kwargs).to_dict()
+
+
+def _max_positions(spec: RunSpec) -> int:
+    """``max_position_embeddings`` of the export: the run's ``seq_len``, or for llama3 RoPE scaling at
+    least the scaled context (transformers expects it above ``original_max_position_embeddings``)."""
+    m = spec.model
+    scaling = m.rope_scaling
+    if scaling is None or scaling.type != "llama3":
+        return m.seq_len
+    assert scaling.original_max_position_embeddings is not None  # checked by the spec
+    return max(m.seq_len, int(scaling.original_max_position_embeddings * scaling.factor))
+
+
+def hf_rope_parameters(spec: RunSpec) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` for the run's RoPE (base and scaling)."""
+    m = spec.model
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
+    scaling = m.rope_scaling
+    if scaling is not None:
+        rope["rope_type"] = scaling.type
+        rope["factor"] = float(scaling.factor)
+        if scaling.type == "llama3":
+            rope["low_freq_factor"] = float(scaling.low_freq_factor)  # type: ignore[arg-type]
+            rope["high_freq_factor"] = float(scaling.high_freq_factor)  # type: ignore[arg-type]
+            rope["original_max_position_embeddings"] = scaling.original_max_position_embeddings
+    return rope
 
 
 # ------------------------------------------------------------------------------ files
@@ -622,7 +640,7 @@ def download_stage_states(
     ``on_stage(state)`` is called as each stage arrives.
     """
     from peer.averaging import StageAverager
-    from swarm.run.model import build_stage
+    from swarm.run.model import StageModule, build_stage
 
     records = membership.all_stage_records(spec.num_stages)
     online: list[list[PeerRecord]] = [[r for r in recs.values() if r.state == "online"] for recs in records]
@@ -635,8 +653,8 @@ def download_stage_states(
         )
     states = []
     for stage in range(spec.num_stages):
-        module = build_stage(spec, stage)
-        shapes, state_names, layout = _state_layout(spec, module)
+        # shapes only (nothing drawn: the weights come from the download)
+        shapes, state_names, layout = _state_layout(spec, StageModule(spec, stage, draw=False))
         t0 = time.monotonic()
         averager = StageAverager.create(
             dht,
@@ -673,7 +691,7 @@ def download_stage_states(
         meta, tensors = loaded
         raw = stage_state_from_download(spec, stage, meta, tensors, expected=shapes, state_names=state_names)
         del meta, tensors, loaded  # optimizer slots: not part of the model
-        module.load_state_dict(raw.params, strict=True)
+        module = build_stage(spec, stage, weights=raw.params)
         # Keep only the dense weights: the raw parameters are not needed once converted.
         state = dataclasses.replace(
             raw,

@@ -47,7 +47,8 @@ class GenerateConfig:
     """Sample only among the k most likely tokens; None = all."""
     seed: int = 0
     tokenizer: str | None = None
-    """Local tokenizer.json matching the run's; None = bytes."""
+    """Local tokenizer.json matching the run's; None = bytes, or for a run that continues a checkpoint
+    its tokenizer (the copy this machine remembers; see ``swarm.train.data.load_tokenizer``)."""
     step_timeout_s: float = 30.0
     """Seconds one token's trip through the swarm may take before it is retried elsewhere."""
     max_attempts: int = 3
@@ -154,7 +155,9 @@ async def generate_async(cfg: GenerateConfig, *, on_text: Callable[[str], None] 
         secret=cfg.secret,
     )
     try:
-        tokenizer = load_tokenizer(cfg.tokenizer, vocab_size=link.spec.model.vocab_size)
+        tokenizer = load_tokenizer(
+            cfg.tokenizer, vocab_size=link.spec.model.vocab_size, pretrained=link.spec.pretrained
+        )
         inbox: dict[str, asyncio.Future] = {}
 
         def on_report(report: Report, payload: bytes) -> None:

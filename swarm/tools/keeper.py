@@ -20,6 +20,11 @@ run another) that, for each stage of a run:
    read it to know that the run has trained and how far a restored stage fell back.
 
 A restarted keeper serves the snapshots it finds on disk (for the same spec hash) at once.
+
+A run that continues a checkpoint (``swarm init --from-pretrained``; ``KeeperConfig.initial_weights``):
+a stage with no snapshot on disk is served at version 0 from the checkpoint (``initial_snapshot``: its
+tensors, digest-checked, with zero optimizer slots), so peers without a copy of the checkpoint can
+start; version 0 is never written to disk (it is rebuilt from the checkpoint).
 Memory: the newest snapshot of every stage (parameters and optimizer slots: about 3x the model
 for AdamW) is held in memory; disk: ``keep`` of them per stage.
 
@@ -49,7 +54,14 @@ if TYPE_CHECKING:
     from swarm.dht.membership import Membership
     from swarm.run.spec import RunSpec
 
-__all__ = ["KeeperConfig", "Keeper", "stage_state_numel", "DEFAULT_INTERVAL_S", "DEFAULT_KEEP"]
+__all__ = [
+    "KeeperConfig",
+    "Keeper",
+    "stage_state_numel",
+    "initial_snapshot",
+    "DEFAULT_INTERVAL_S",
+    "DEFAULT_KEEP",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +86,10 @@ class KeeperConfig:
     """How often the keeper reads the stage records (one DHT read) to see what changed."""
     index_period_s: float = 30.0
     """How often the snapshot index is re-published (it expires after 120 s)."""
+    initial_weights: str | None = None
+    """A --from-pretrained run's checkpoint directory: a stage with no snapshot on disk is served at
+    version 0 from it (the checkpoint's weights, checked against the spec's digests, and zero optimizer
+    slots), so peers without a copy of the checkpoint can start (``swarm init --from-pretrained`` sets it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, str) or not self.directory:
@@ -93,12 +109,47 @@ class KeeperConfig:
 
 def stage_state_numel(spec: RunSpec, stage: int) -> int:
     """Values in one stage's shared state (parameters plus optimizer slots), as its peers lay it out."""
-    from swarm.run.model import build_stage
+    from swarm.run.model import StageModule
     from swarm.tools.export import _state_layout
 
-    module = build_stage(spec, stage)
+    module = StageModule(spec, stage, draw=False)  # shapes only: nothing is drawn
     _, _, layout = _state_layout(spec, module)
     return sum(t.numel() for t in layout)
+
+
+def initial_snapshot(spec: RunSpec, stage: int, directory: str, *, taken_at: float) -> Snapshot:
+    """Version 0 of a --from-pretrained run's ``stage``, laid out as its peers share state: the
+    checkpoint's weights (read memory-mapped, checked against the spec's digest: ``ConfigError``) and
+    the optimizer's zero slots."""
+    import torch
+
+    from swarm.run.model import build_stage
+    from swarm.run.optimizer import StageOptimizer
+    from swarm.run.pretrained import check_stage_weights, read_stage_weights
+
+    weights = read_stage_weights(directory, spec, stage)
+    check_stage_weights(spec, stage, weights, source=f"the keeper's checkpoint {directory}")
+    module = build_stage(spec, stage, weights=weights)
+    del weights
+    opt = StageOptimizer(dict(module.named_parameters()), spec.optimizer)
+    del module
+    meta = {
+        "spec_hash": spec.spec_hash,
+        "stage": stage,
+        "version": 0,
+        "names": opt.state_names(),
+        **opt.metadata(),
+    }
+    flat = torch.cat([t.reshape(-1) for t in opt.state_tensors()])
+    return Snapshot(
+        spec_hash=spec.spec_hash,
+        run_id=spec.run_id,
+        stage=stage,
+        version=0,
+        meta=meta,
+        flat=flat,
+        taken_at=taken_at,
+    )
 
 
 class Keeper:
@@ -155,7 +206,7 @@ class Keeper:
             for stage in range(self.spec.num_stages):
                 numel = stage_state_numel(self.spec, stage)
                 self._numel.append(numel)
-                self.held[stage] = self.store.newest(stage, numel=numel)
+                self.held[stage] = self.store.newest(stage, numel=numel) or self._initial(stage)
                 averager = StageAverager.create(
                     self.dht,
                     run_id=self.spec.run_id,
@@ -187,6 +238,13 @@ class Keeper:
             self.close()
             raise
         return self
+
+    def _initial(self, stage: int) -> Snapshot | None:
+        """The checkpoint's version 0 of ``stage`` (``initial_weights``, pretrained runs only), else None."""
+        if self.cfg.initial_weights is None or self.spec.pretrained is None:
+            return None
+        logger.info("keeper: reading stage %d's initial weights from %s", stage, self.cfg.initial_weights)
+        return initial_snapshot(self.spec, stage, self.cfg.initial_weights, taken_at=self._wall())
 
     def start_background(self, out: Callable[[str], None] | None = None) -> Keeper:
         """Run ``serve`` in a daemon thread (stopped by ``close``)."""

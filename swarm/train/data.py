@@ -15,6 +15,8 @@ Sources (``DataConfig.source``):
 
 Tokenization is byte-level (ids 0..255, no vocabulary file) unless ``DataConfig.tokenizer`` names a
 local ``tokenizer.json`` for the optional ``tokenizers`` package; its vocabulary must fit the run's.
+A run that continues a checkpoint (``swarm init --from-pretrained``) uses the checkpoint's tokenizer,
+checked against the sha256 in its spec (see :func:`load_tokenizer`).
 
 Batches: ``targets`` is ``tokens`` shifted by one position. Training windows are drawn uniformly at
 random from the training split with a seeded generator (two trainers with different seeds read
@@ -30,11 +32,14 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from swarm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from swarm.run.spec import PretrainedConfig
 
 __all__ = [
     "DataConfig",
@@ -99,8 +104,21 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
-def load_tokenizer(path: str | None, *, vocab_size: int) -> Tokenizer:
-    """The tokenizer for a run of vocabulary ``vocab_size``: bytes by default, ``path`` if given."""
+def load_tokenizer(
+    path: str | None, *, vocab_size: int, pretrained: PretrainedConfig | None = None
+) -> Tokenizer:
+    """The tokenizer for a run of vocabulary ``vocab_size``: bytes by default, ``path`` if given.
+
+    A run that continues a checkpoint (``pretrained`` with a tokenizer digest) always uses the
+    checkpoint's tokenizer: ``path`` (a tokenizer.json or the checkpoint's directory) must be that file,
+    and without ``path`` the copy this machine remembers is used (``swarm.run.pretrained.run_tokenizer_file``).
+    """
+    if pretrained is not None and pretrained.tokenizer is not None:
+        from swarm.run.pretrained import run_tokenizer_file
+
+        path = str(run_tokenizer_file(path, pretrained.tokenizer, source=pretrained.source))
+    if path is not None and os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")  # a checkpoint directory
     tok: Tokenizer = ByteTokenizer() if path is None else HFTokenizer(path)
     if tok.vocab_size > vocab_size:
         raise ConfigError(
@@ -310,9 +328,12 @@ class TokenData:
             yield self.sample(batch, gen)
 
 
-def build_data(config: DataConfig, *, seq_len: int, vocab_size: int) -> tuple[TokenData, Tokenizer]:
-    """Read, tokenize and split the configured source for a run with this ``seq_len`` and vocabulary."""
-    tokenizer = load_tokenizer(config.tokenizer, vocab_size=vocab_size)
+def build_data(
+    config: DataConfig, *, seq_len: int, vocab_size: int, pretrained: PretrainedConfig | None = None
+) -> tuple[TokenData, Tokenizer]:
+    """Read, tokenize and split the configured source for a run with this ``seq_len`` and vocabulary
+    (``pretrained``: the run's checkpoint, whose tokenizer is used, see :func:`load_tokenizer`)."""
+    tokenizer = load_tokenizer(config.tokenizer, vocab_size=vocab_size, pretrained=pretrained)
     docs = read_documents(config.source, max_bytes=config.max_bytes)
     if isinstance(tokenizer, ByteTokenizer):
         raw = "\n".join(docs).encode("utf-8", errors="replace")

@@ -448,7 +448,11 @@ class Trainer:
         try:
             spec = link.spec
             data, _ = await asyncio.to_thread(
-                build_data, cfg.data, seq_len=spec.model.seq_len, vocab_size=spec.model.vocab_size
+                build_data,
+                cfg.data,
+                seq_len=spec.model.seq_len,
+                vocab_size=spec.model.vocab_size,
+                pretrained=spec.pretrained,  # a checkpoint's run trains with its tokenizer
             )
             return await self.run_on(link, data)
         finally:

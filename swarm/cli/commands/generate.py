@@ -30,7 +30,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", default=None, metavar="PATH", help="local tokenizer.json (default: bytes)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="local tokenizer.json or checkpoint directory (default: bytes; a --from-pretrained run's own "
+        "tokenizer, remembered on this machine)",
+    )
     add_secret_file(p)
     p.set_defaults(func=run)
 

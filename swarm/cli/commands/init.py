@@ -5,6 +5,13 @@
         --announce-maddrs /ip4/<PUBLIC_IP>/tcp/31337 --identity bootstrap.key
     swarm init                                     # a plain entry point, no run
     swarm init examples/tiny.yaml --private --secret-file tiny.secret   # only secret holders may join
+    swarm init --from-pretrained llama-dir/ --stages 4    # continue a local Hugging Face Llama checkpoint
+    swarm init finetune.yaml --from-pretrained llama-dir/ # optimizer, codecs, ... from the file
+
+With ``--from-pretrained DIR`` the model comes from ``DIR/config.json`` (the spec file, if given, sets
+everything else; its ``model`` section may give only ``seq_len``), each stage's initial weights are
+digested into the spec, and the keeper serves them, so peers need no copy of the checkpoint (those
+that have one pass ``swarm peer --weights DIR``). See swarm/run/pretrained.py.
 
 A private run's join secret is printed once (with the join commands) and kept in ``--secret-file``
 (mode 0600; an existing file is reused, so a restarted owner keeps the same run). Joiners pass a copy
@@ -65,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="RSA identity file for a stable address (created if missing)",
     )
     p.add_argument("--public", action="store_true", help="listen on all interfaces (/ip4/0.0.0.0/tcp/0)")
+    _add_pretrained_options(p)
     p.add_argument(
         "--private",
         action="store_true",
@@ -95,16 +103,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_pretrained_options(p: argparse.ArgumentParser) -> None:
+    """``--from-pretrained DIR`` and the options that go with it (swarm/run/pretrained.py)."""
+    p.add_argument(
+        "--from-pretrained",
+        metavar="DIR",
+        default=None,
+        help="start the run from a local Hugging Face Llama checkpoint (config.json, *.safetensors, "
+        "tokenizer.json)",
+    )
+    p.add_argument("--run-id", default=None, help="with --from-pretrained: the run id (default: DIR's name)")
+    p.add_argument("--stages", type=int, default=None, help="with --from-pretrained: stages (default 2)")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="with --from-pretrained: training context (default <= 1024)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault(
         "HIVEMIND_LOGLEVEL", "WARNING"
     )  # before hivemind is imported: keep the output readable
     from swarm.cli.commands.keeper import keeper_config
-    from swarm.dht.network import DHTConfig, reachability_warning
+    from swarm.dht.network import DHTConfig
     from swarm.run.spec import RunSpec
     from swarm.tools.bootstrap import Bootstrap, BootstrapConfig
 
-    spec = RunSpec.from_yaml(args.spec) if args.spec else None
+    spec = _pretrained_spec(args) if args.from_pretrained else None
+    if spec is None:
+        spec = RunSpec.from_yaml(args.spec) if args.spec else None
     secret, created = None, False
     if args.private:
         spec, secret, created = _make_private(spec, args.secret_file)
@@ -123,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
         status_interval_s=args.status_interval_s,
         secret=secret,
         secret_file=args.secret_file,
-        keeper=None if spec is None or args.no_keeper else keeper_config(args, spec.run_id),
+        keeper=None
+        if spec is None or args.no_keeper
+        else keeper_config(args, spec.run_id, initial_weights=args.from_pretrained),
     )
 
     stop = threading.Event()
@@ -131,31 +159,7 @@ def run(args: argparse.Namespace) -> int:
     boot = Bootstrap(cfg)
     try:
         boot.start()
-        maddrs = boot.maddrs
-        if spec is not None:
-            print(f"run {spec.run_id} (spec {spec.spec_hash}, {spec.num_stages} stages) is published.")
-        else:
-            print("bootstrap node started (no run).")
-        print("initial peers: " + " ".join(maddrs))
-        warning = reachability_warning(cfg.dht.initial_peers, list(cfg.dht.announce_maddrs) or maddrs)
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr)
-        if secret is not None:
-            from swarm.dht.auth import SECRET_ENV, format_secret
-
-            state = "written to" if created else "read from"
-            print(f"private run: the join secret was {state} {args.secret_file} (mode 0600).")
-            print(
-                f"  it is printed only now; give it to joiners privately: {SECRET_ENV}={format_secret(secret)}"
-            )
-        if boot.keeper is not None:
-            print(
-                f"keeper: stage snapshots in {os.path.abspath(cfg.keeper.directory)} every "
-                f"{cfg.keeper.interval_s:.0f} s ({cfg.keeper.keep} kept per stage); --no-keeper turns it off"
-            )
-        print("join with:")
-        for command in boot.join_commands():
-            print(f"  {command}")
+        _print_started(boot, args, secret, created)
         print("Ctrl-C stops this node.", flush=True)
         boot.serve(stop, out=lambda line: print(line, flush=True))
     finally:
@@ -164,6 +168,73 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     print("bootstrap node stopped.", flush=True)
     return 0
+
+
+def _print_started(boot, args: argparse.Namespace, secret: bytes | None, created: bool) -> None:  # type: ignore[no-untyped-def]
+    """What ``swarm init`` prints once its node is up: addresses, secret, checkpoint, keeper, join commands."""
+    from swarm.dht.network import reachability_warning
+
+    cfg, spec = boot.cfg, boot.cfg.spec
+    maddrs = boot.maddrs
+    if spec is not None:
+        print(f"run {spec.run_id} (spec {spec.spec_hash}, {spec.num_stages} stages) is published.")
+    else:
+        print("bootstrap node started (no run).")
+    print("initial peers: " + " ".join(maddrs))
+    warning = reachability_warning(cfg.dht.initial_peers, list(cfg.dht.announce_maddrs) or maddrs)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    if secret is not None:
+        from swarm.dht.auth import SECRET_ENV, format_secret
+
+        state = "written to" if created else "read from"
+        print(f"private run: the join secret was {state} {args.secret_file} (mode 0600).")
+        print(f"  it is printed only now; give it to joiners privately: {SECRET_ENV}={format_secret(secret)}")
+    if spec is not None and spec.pretrained is not None:
+        weights = f"--weights {args.from_pretrained or 'DIR'}"
+        where = (
+            f"the keeper serves them; peers holding a copy may add {weights}"
+            if boot.keeper is not None
+            else f"no keeper serves them: the first peer of each stage needs {weights}"
+        )
+        print(
+            f"it continues the checkpoint {spec.pretrained.source!r}: each stage starts from its weights ({where})"
+        )
+    if boot.keeper is not None:
+        print(
+            f"keeper: stage snapshots in {os.path.abspath(cfg.keeper.directory)} every "
+            f"{cfg.keeper.interval_s:.0f} s ({cfg.keeper.keep} kept per stage); --no-keeper turns it off"
+        )
+    print("join with:")
+    for command in boot.join_commands():
+        print(f"  {command}")
+
+
+def _pretrained_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The run spec of ``--from-pretrained DIR`` (digesting every stage's weights, one at a time)."""
+    from swarm.errors import ConfigError
+    from swarm.run.pretrained import remember_tokenizer, spec_from_pretrained
+    from swarm.run.spec import read_spec_yaml
+
+    base = read_spec_yaml(args.spec) if args.spec else None
+    if args.no_keeper:
+        print("note: --no-keeper: every peer of this run needs --weights DIR (a copy of the checkpoint)")
+    try:
+        spec = spec_from_pretrained(
+            args.from_pretrained,
+            base=base,
+            run_id=args.run_id,
+            stages=args.stages,
+            seq_len=args.seq_len,
+            on_stage=lambda stage, digest: print(
+                f"stage {stage}: initial weights {digest[:16]}...", flush=True
+            ),
+        )
+        if remember_tokenizer(args.from_pretrained) is not None:  # trainers on this machine find it
+            print("tokenizer: the checkpoint's tokenizer.json (trainers elsewhere pass --tokenizer DIR)")
+    except OSError as e:
+        raise ConfigError(f"cannot read the checkpoint in {args.from_pretrained!r}: {e}") from None
+    return spec
 
 
 def _make_private(spec, secret_file):  # type: ignore[no-untyped-def]

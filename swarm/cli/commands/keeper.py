@@ -3,6 +3,8 @@ every replica (see ``swarm/tools/keeper.py``). Anyone can run one; the run's ``s
 
     swarm keeper --initial-peers MADDR --run tiny                      # snapshots/tiny, every 180 s
     swarm keeper --initial-peers MADDR --run tiny --dir /data/tiny --interval-s 60 --keep 5
+    swarm keeper --initial-peers MADDR --run mine --weights llama-dir/   # also serve a --from-pretrained
+                                                                         # run's initial weights
 
 Runs until Ctrl-C or SIGTERM, printing a line per snapshot taken.
 """
@@ -50,13 +52,14 @@ def add_keeper_options(p: argparse.ArgumentParser, *, default_dir: str | None) -
     )
 
 
-def keeper_config(args: argparse.Namespace, run_id: str):  # type: ignore[no-untyped-def]
+def keeper_config(args: argparse.Namespace, run_id: str, *, initial_weights: str | None = None):  # type: ignore[no-untyped-def]
     from swarm.tools.keeper import KeeperConfig
 
     return KeeperConfig(
         directory=args.keeper_dir or os.path.join("snapshots", run_id),
         interval_s=args.snapshot_interval_s,
         keep=args.keep_snapshots,
+        initial_weights=initial_weights,
     )
 
 
@@ -82,6 +85,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--identity", metavar="PATH", help="RSA identity file for a stable peer id")
     p.add_argument("--public", action="store_true", help="listen on all interfaces (/ip4/0.0.0.0/tcp/0)")
+    p.add_argument(
+        "--weights",
+        metavar="DIR",
+        help="a --from-pretrained run's checkpoint: serve its initial stage weights (version 0) until "
+        "a stage has trained",
+    )
     add_secret_file(p)
     p.set_defaults(func=run)
 
@@ -93,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from swarm.dht.network import DHTConfig, parse_maddrs, start_dht
     from swarm.tools.keeper import Keeper
 
-    cfg = keeper_config(args, args.run)
+    cfg = keeper_config(args, args.run, initial_weights=args.weights)
     dht = start_dht(
         DHTConfig(
             initial_peers=parse_maddrs(args.initial_peers, what="--initial-peers"),

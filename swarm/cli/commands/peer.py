@@ -4,6 +4,7 @@ Examples::
 
     swarm peer --initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID --run tiny
     swarm peer --initial-peers ... --run tiny --stage 1 --device cuda:0 --checkpoint-dir ckpt/s1
+    swarm peer --initial-peers ... --run mine --weights llama-dir/   # a --from-pretrained run's checkpoint
     swarm peer --initial-peers ... --run tiny --public --announce-maddrs /ip4/203.0.113.7/tcp/31337 \\
         --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity peer.key
 
@@ -77,6 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="if the stage's state is lost (no live replica, keeper snapshot or checkpoint) in a run that has "
         "trained, start it from its initial weights anyway instead of refusing (the event is reported)",
     )
+    p.add_argument(
+        "--weights",
+        metavar="DIR",
+        help="a --from-pretrained run's checkpoint directory: this stage's initial weights when no live "
+        "replica or keeper sends them (only the stage's tensors are read, checked against the spec)",
+    )
     add_secret_file(p)
     p.set_defaults(func=run)
 
@@ -107,5 +114,6 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         secret=load_secret(args.secret_file),
         start_fresh=args.start_fresh,
+        weights_dir=args.weights,
     )
     return run_peer(config)

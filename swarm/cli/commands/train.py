@@ -37,7 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="text file, directory of text files, .jsonl with a 'text' field, or hf:LOCAL_PATH "
         "(default: this machine's Python standard library sources)",
     )
-    p.add_argument("--tokenizer", default=None, metavar="PATH", help="local tokenizer.json (default: bytes)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="local tokenizer.json or checkpoint directory (default: bytes; a --from-pretrained run's own "
+        "tokenizer, remembered on this machine)",
+    )
     p.add_argument(
         "--max-data-bytes", type=int, default=None, metavar="N", help="read at most N bytes of text"
     )
