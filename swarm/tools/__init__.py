@@ -4,6 +4,7 @@
 - ``status``: the per-stage status view; ``monitor``: the live web page.
 - ``generation``: ``swarm generate``; ``export``: getting the model out.
 - ``demo``: the local swarm behind ``swarm demo`` / ``make demo``.
+- ``toy_checkpoint``: a small random Hugging Face Llama checkpoint (tests, example, benchmark).
 
 May import every layer below, ``peer/`` included (docs/ARCHITECTURE.md).
 """
