@@ -19,6 +19,20 @@ def add_initial_peers(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_listen_addresses(p: argparse.ArgumentParser) -> None:
+    """``--host-maddrs`` / ``--announce-maddrs``: where a long-running process listens and what others dial."""
+    p.add_argument(
+        "--host-maddrs", nargs="+", default=(), metavar="MADDR", help="listen here (default loopback)"
+    )
+    p.add_argument(
+        "--announce-maddrs",
+        nargs="+",
+        default=(),
+        metavar="MADDR",
+        help="addresses others dial (port forwarding)",
+    )
+
+
 def add_secret_file(p: argparse.ArgumentParser, what: str = "join secret of a private run") -> None:
     """``--secret-file PATH``: a private run's join secret (``swarm.dht.auth.load_secret`` reads it)."""
     p.add_argument(

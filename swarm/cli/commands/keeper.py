@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 
-from swarm.cli.commands import add_initial_peers, add_secret_file
+from swarm.cli.commands import add_initial_peers, add_listen_addresses, add_secret_file
 
 
 def add_keeper_options(p: argparse.ArgumentParser, *, default_dir: str | None) -> None:
@@ -73,16 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_initial_peers(p)
     p.add_argument("--run", required=True, metavar="RUN_ID", help="the run to keep")
     add_keeper_options(p, default_dir=None)
-    p.add_argument(
-        "--host-maddrs", nargs="+", default=(), metavar="MADDR", help="listen here (default loopback)"
-    )
-    p.add_argument(
-        "--announce-maddrs",
-        nargs="+",
-        default=(),
-        metavar="MADDR",
-        help="addresses others dial (port forwarding)",
-    )
+    add_listen_addresses(p)
     p.add_argument("--identity", metavar="PATH", help="RSA identity file for a stable peer id")
     p.add_argument("--public", action="store_true", help="listen on all interfaces (/ip4/0.0.0.0/tcp/0)")
     p.add_argument(

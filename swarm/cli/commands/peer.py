@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarm.cli.commands import add_initial_peers, add_secret_file
+from swarm.cli.commands import add_initial_peers, add_listen_addresses, add_secret_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,16 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--stage", default="auto", help="'auto' (weakest stage, rebalanced later) or a stage number"
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto = CUDA when present)")
-    p.add_argument(
-        "--host-maddrs", nargs="+", default=(), metavar="MADDR", help="listen here (default loopback)"
-    )
-    p.add_argument(
-        "--announce-maddrs",
-        nargs="+",
-        default=(),
-        metavar="MADDR",
-        help="addresses others dial (port forwarding)",
-    )
+    add_listen_addresses(p)
     p.add_argument(
         "--identity", metavar="PATH", help="RSA identity file for a stable peer id (created if missing)"
     )
