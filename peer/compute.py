@@ -30,6 +30,18 @@ its round, and async replicas keep serving meanwhile, so a share accumulated dur
 applied one round later: every share carries the sum of its micro-batches' forward versions, and
 the round that applies it tells the optimizer the mean (``note_staleness``).
 
+Note "speculative rounds": a replica's round waits for its partners' shares and then runs the all-reduce,
+and forwards it serves meanwhile would run on the version the round is about to replace, so their
+gradients were a version stale before they began (0.25-0.6 versions of applied staleness in a 2 x 2
+async run, against 0-0.23 with one peer per stage). When its round starts, an async replica
+*previews* the step it expects: its optimizer's twin steps with the replica's own share (the mean of
+its micro-batches, which is what the combined gradient averages with the partners'), and training
+forwards during the round run on those weights, stashed with their entry (``StashEntry.params``,
+``ahead = 1``). The previewed weights are only ever read by this replica's own forwards and
+backwards; the round's combined step is what every replica applies, so replicas still hold the same
+state. A gradient taken on speculative weights counts as one version ahead of the round's version,
+so when the round applies it in the next step its applied staleness is 0.
+
 Thread-safety: the worker thread calls forward/backward; other threads (averaging, state download,
 checkpoints, replica rounds) call :meth:`export_state`, :meth:`take_round`, :meth:`end_round`,
 :meth:`adopt_state`. Every access to versions, stash and
@@ -166,6 +178,9 @@ class StageCompute:
         self._active: _Share | None = None  # the share of the round that runs
         self._windows: dict[str, int] = {}  # sync mode: the newest window seen per trainer
         self._digest_cache: tuple[int, list[float]] | None = None
+        # note "speculative rounds": on by default for async replicas; peer/replicas.py may turn it off
+        self.speculate = not self.sync
+        self._speculative: Params | None = None  # weights training forwards use while a round runs
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -258,6 +273,9 @@ class StageCompute:
                     f"micro-batch {mb_id!r} is already in flight on this peer; use a new mb_id"
                 )
             version, params = self.version, self.versions.latest
+            ahead = 0
+            if train and self._speculative is not None:  # note "speculative rounds"
+                params, ahead = self._speculative, 1
             if train:
                 self._window_forwards += 1
         t0 = time.perf_counter()
@@ -266,7 +284,7 @@ class StageCompute:
             if not self.is_first:
                 x = self._decode_input(x, tokens)  # (B, T, width) -> (B, T, C)
             if self.is_last and train:
-                return self._last_stage_train(mb_id, x, targets, version, params, t0, count)
+                return self._last_stage_train(mb_id, x, targets, version, params, t0, count, ahead)
             if not train or self.spec.optimizer.recompute:
                 with torch.no_grad():
                     out = self._run(params, x)
@@ -297,6 +315,8 @@ class StageCompute:
                     graph=graph,
                     context=context,
                     count=count,
+                    params=params if ahead else None,
+                    ahead=ahead,
                 )
                 with self.lock:
                     self.stash.put(entry)
@@ -316,6 +336,7 @@ class StageCompute:
         params: Params,
         t0: float,
         count: bool = True,
+        ahead: int = 0,
     ) -> ForwardResult:
         """Loss and its backward at once: the last stage needs no stash."""
         assert targets is not None
@@ -331,7 +352,7 @@ class StageCompute:
         with self.lock:
             stepped = False
             if count:
-                self._accumulate(param_grads, version)
+                self._accumulate(param_grads, version + ahead)
                 stepped = self._maybe_step()
             else:
                 self._release_window_slot()
@@ -369,7 +390,7 @@ class StageCompute:
             if entry is None:
                 self.peek(mb_id)  # raises the explanation
             try:
-                params = self.versions.get(entry.version)
+                params = entry.params if entry.params is not None else self.versions.get(entry.version)
             except RequestError:
                 self.stash.dropped += 1
                 self._release_window_slot()
@@ -386,7 +407,7 @@ class StageCompute:
             staleness = self.version - entry.version
             stepped = False
             if entry.count:
-                self._accumulate(param_grads, entry.version)
+                self._accumulate(param_grads, entry.version + entry.ahead)
                 stepped = self._maybe_step()
             else:
                 self._release_window_slot()
@@ -536,6 +557,7 @@ class StageCompute:
                 raise RequestError(f"state refused: {e}") from None
             self.version = version
             self.versions.reset(version, self.optimizer.served())
+            self._speculative = None
             self.stash = MicroBatchStash(self.spec.stash_ttl_s, clock=self.stash.clock)
             self._ready.clear()
             self._pending_forwards = 0
@@ -651,7 +673,13 @@ class StageCompute:
             self._active = share
             self._round_active = True
             version = self.version
+            twin = self.optimizer.twin() if self.speculate and share.count > 0 and self.replicas > 1 else None
         self.on_gate_change()
+        if twin is not None:  # note "speculative rounds"; the twin's step runs outside the lock
+            served = twin.step_with([g / share.count for g in share.sums])
+            with self.lock:
+                if self._active is share and self.version == version:
+                    self._speculative = served
         return share.sums, share.count, version
 
     def end_round(
@@ -666,6 +694,7 @@ class StageCompute:
             forwards = active.forward_versions if active is not None else 0
             if back is not None:
                 self._ready.appendleft(_Share(back[0], back[1], forwards))  # retried first
+            self._speculative = None
             if mean is not None and self.version == version:
                 if active is not None and active.count:  # note "applied staleness"
                     self.optimizer.note_staleness(version - forwards / active.count, active.count)
@@ -715,5 +744,6 @@ class StageCompute:
                 self.optimizer.give_back_gradients(*kept)
             self.version = version
             self.versions.push(version, self.optimizer.served())
+            self._speculative = None
         self.on_gate_change()
         return True

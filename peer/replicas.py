@@ -86,6 +86,10 @@ class RoundsConfig:
     """Once rounds have completed, a round waits ``4 x`` the recent round time, at least this and at
     most ``timeout_s``. The limit covers the all-reduce too (a round cut short mid-all-reduce leaves
     its partners with partial sums), so it must not be tight; a dead replica costs one such wait."""
+    speculate: bool = True
+    """Async replicas serve training forwards during a round on the weights of the step they preview
+    from their own share (note "speculative rounds" in peer/compute.py); False: on the round's version.
+    The preview costs one optimizer step and a copy of the optimizer state per round."""
 
 
 @dataclass
@@ -155,6 +159,7 @@ class ReplicaRounds:
         catch_up: Callable[[int], bool],
     ):
         self.compute = compute
+        compute.speculate = compute.speculate and config.speculate
         self.averager = averager
         self.peer_id = peer_id
         self.config = config

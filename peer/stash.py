@@ -119,6 +119,10 @@ class StashEntry:
     context: Any = None
     meta: dict[str, float] = field(default_factory=dict)
     count: bool = True  # add the gradient to the optimizer (False: a retry this stage already counted)
+    # speculative weights the forward ran on instead of ``version``'s (peer/compute.py, note "speculative
+    # rounds"), and how many versions ahead of ``version`` they stand for (0: the version's own weights)
+    params: Params | None = None
+    ahead: int = 0
 
 
 class MicroBatchStash:

@@ -131,6 +131,7 @@ def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
 def test_a_replicas_staleness_is_counted_when_its_round_applies_the_share():
     comp = StageCompute(spec(accumulate=4), 0)
     comp.replicas = 2
+    comp.speculate = False  # forwards during the round run on the round's version (note "speculative rounds")
     for i, mb in enumerate("ab"):  # forwards and backwards at version 0
         comp.forward(mb, tokens(i), "train")
         comp.backward(mb, grad(i))
@@ -144,6 +145,51 @@ def test_a_replicas_staleness_is_counted_when_its_round_applies_the_share():
     sums, count, version = comp.take_round()
     assert comp.end_round([s / count for s in sums], version, None)  # computed on 0, applied at 1
     assert comp.optimizer.staleness == pytest.approx(1 - 0.9**2)
+
+
+def test_an_async_replica_serves_the_step_it_previews_while_its_round_runs():
+    comp = StageCompute(spec(accumulate=4, name="muon"), 0)
+    comp.replicas = 2
+    for i, mb in enumerate("ab"):
+        comp.forward(mb, tokens(i), "train")
+        comp.backward(mb, grad(i))
+    before = [t.clone() for t in comp.optimizer.state_tensors()]
+    sums, count, version = comp.take_round()
+    # the preview changed nothing of the optimizer: state, step count and version are the round's
+    for t, b in zip(comp.optimizer.state_tensors(), before, strict=True):
+        assert torch.equal(t, b)
+    assert comp.optimizer.step_count == 0 and comp.version == 0
+    comp.forward("c", tokens(2), "train")  # served during the round, on the previewed weights
+    entry = comp.stash.get("c")
+    assert entry.version == 0 and entry.ahead == 1 and entry.params is not None
+    assert any(not torch.equal(entry.params[n], p) for n, p in comp.params().items())
+    comp.forward("e", tokens(4), "eval")  # only training forwards speculate
+    # the partner's share had the same mean: the step taken is the one previewed
+    assert comp.end_round([s / count for s in sums], version, None)
+    for n, t in comp.params().items():
+        torch.testing.assert_close(t, entry.params[n])
+    assert comp.stash.get("c").params is not None  # the backward still runs on what the forward ran on
+    comp.backward("c", grad(2))
+    comp.forward("d", tokens(3), "train")  # after the round: version 1's own weights
+    assert comp.stash.get("d").ahead == 0 and comp.stash.get("d").params is None
+    comp.backward("d", grad(3))
+    sums, count, version = comp.take_round()
+    assert comp.end_round([s / count for s in sums], version, None)
+    # "c" counted as a forward of version 1, applied by the step from version 1: not stale
+    assert comp.optimizer.staleness == 0.0 and comp.version == 2
+
+
+def test_a_failed_round_drops_the_preview_and_sync_replicas_never_preview():
+    comp = StageCompute(spec(accumulate=4), 0)
+    comp.replicas = 2
+    for i, mb in enumerate("ab"):
+        comp.forward(mb, tokens(i), "train")
+        comp.backward(mb, grad(i))
+    sums, count, version = comp.take_round()
+    assert not comp.end_round(None, version, (sums, count))
+    comp.forward("c", tokens(2), "train")
+    assert comp.stash.get("c").ahead == 0
+    assert not StageCompute(spec(accumulate=4, mode="sync"), 0).speculate
 
 
 def test_a_replica_adopts_a_newer_state_keeping_its_in_flight_work():

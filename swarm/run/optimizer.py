@@ -82,6 +82,7 @@ gradient. Learning rate: ``OptimizerConfig.lr_at(step)`` (constant or cosine wit
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -190,7 +191,9 @@ class StageOptimizer:
         """``count`` micro-batches were (or will be) applied ``staleness`` versions after their forward,
         on average: the EMA that drives the look-ahead moves as if each had been noted alone."""
         keep = _STALENESS_EMA ** max(0, count)
-        self.staleness = keep * self.staleness + (1.0 - keep) * float(staleness)
+        # max(0): a gradient taken on speculative weights (peer/compute.py, note "speculative rounds")
+        # counts one version ahead; when its round fails it is applied "before" its forward
+        self.staleness = keep * self.staleness + (1.0 - keep) * max(0.0, float(staleness))
 
     @property
     def ready(self) -> bool:
@@ -232,6 +235,15 @@ class StageOptimizer:
             return self.step()
         finally:
             self.grads, self.pending = kept, kept_count
+
+    def twin(self) -> StageOptimizer:
+        """A copy that can step without changing this optimizer: its own optimizer state (cloned), the
+        same immutable parameter tensors. ``twin().step_with(mean)`` previews the weights a round with
+        that mean gradient would serve (peer/compute.py, note "speculative rounds")."""
+        twin = copy.copy(self)
+        twin.state = {slot: {n: t.clone() for n, t in slots.items()} for slot, slots in self.state.items()}
+        twin.grads = {}  # step_with replaces it; nothing of ours is zeroed
+        return twin
 
     # ---- the step ----------------------------------------------------------------------------
 
