@@ -444,7 +444,7 @@ def reading(report: dict) -> list[str]:
         "Bytes are per token and per boundary crossing, headers included, measured by encoding the trained "
         "models' real boundary tensors (forward shown; backward sizes, in the JSON, are the same "
         "here). The token ids a subspace boundary needs are not counted: every route already carries "
-        "them to every stage (DESIGN.md, step 3); as raw bytes (vocab 256) they would add 1 B/token.",
+        "them to every stage (the FORWARD header, swarm/wire/protocol.py); as raw bytes (vocab 256) they would add 1 B/token.",
         f"Compression multiplies: the boundary sends k instead of d = {cfg['d_model']} numbers, and the run's "
         "codec then shrinks each number (fp16: 2 bytes, blockwise8: ~1 byte), so no new codec was needed.",
         "Wall time per step (s): "
