@@ -15,7 +15,8 @@ different micro-batches can use different versions without copying weights into 
 Sync mode (``optimizer.mode == "sync"``): at most ``accumulate`` training forwards per step window;
 :meth:`forward_allowed` closes the gate after that, and the step happens only when the window's
 backwards have all arrived (or were dropped). So every gradient of a step is computed on the same
-version, exactly like a synchronous pipeline.
+version, exactly like a synchronous pipeline. What differs between the modes is decided by
+:attr:`StageCompute.policy` (``peer/policy.py``).
 
 Stage boundaries: what a stage sends on and receives back goes through ``swarm.run.subspace``'s
 ``Boundary`` on the compute device: in a subspace-constrained run the ``k`` coefficients
@@ -62,6 +63,7 @@ from typing import Any, Literal
 import torch
 from torch.func import functional_call
 
+from peer.policy import StepPolicy, policy_for
 from peer.stash import MicroBatchStash, StashEntry, WeightVersions
 from swarm.errors import RequestError
 from swarm.run.model import autocast_dtype, build_stage, lm_loss
@@ -159,8 +161,7 @@ class StageCompute:
         self.versions.reset(0, self.optimizer.served())
         self.stash = MicroBatchStash(spec.stash_ttl_s, clock=clock)
         self.lock = threading.RLock()
-        self.sync = spec.optimizer.mode == "sync"
-        self._window_forwards = 0  # sync mode: training forwards started in the current step window
+        self.policy: StepPolicy = policy_for(spec.optimizer.mode, spec.optimizer.accumulate)
         self.steps_taken = 0
         self.on_gate_change: Callable[[], None] = lambda: None  # the queue's notify()
         # Replicas (note "replica rounds" in peer/replicas.py): with more than one online replica the
@@ -170,16 +171,15 @@ class StageCompute:
         self.on_round_due: Callable[[], None] = lambda: None  # wakes the replica rounds' thread
         self.last_gradient_at = clock()
         self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)  # seconds between recent gradients (note "quiet")
-        self._round_active = False  # sync mode: forwards wait while a round combines this window
+        self._round_active = False  # a round combines a share (sync mode: forwards wait meanwhile)
         # shares complete while a round ran wait here, oldest first: every round takes exactly one
         # share of each replica, so a slow round never merges several steps' micro-batches into one
         self._ready: deque[_Share] = deque()
         self._pending_forwards = 0  # sum of the forward versions of the optimizer's pending micro-batches
         self._active: _Share | None = None  # the share of the round that runs
-        self._windows: dict[str, int] = {}  # sync mode: the newest window seen per trainer
         self._digest_cache: tuple[int, list[float]] | None = None
         # note "speculative rounds": on by default for async replicas; peer/replicas.py may turn it off
-        self.speculate = not self.sync
+        self.speculate = self.policy.speculates
         self._speculative: Params | None = None  # weights training forwards use while a round runs
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -222,18 +222,12 @@ class StageCompute:
         """The runtime's forward gate: False in sync mode once this step's forwards have all started,
         and in either mode while a replica's complete share already waits for the next round
         (backpressure: the trainer cannot run ahead of the stage's steps and pile up stale gradients)."""
+        # No lock on purpose: the queue calls this while holding its own lock, and compute code
+        # notifies the queue while holding ours; reading a few ints needs no lock (lock order stays
+        # one-way: compute lock -> queue lock).
         if self._ready:
             return False
-        if not self.sync:
-            return True
-        if self._round_active:
-            return False
-        # No lock on purpose: the queue calls this while holding its own lock, and compute code
-        # notifies the queue while holding ours; reading one int needs no lock (lock order stays
-        # one-way: compute lock -> queue lock).
-        if self.replicas > 1:
-            return True  # a sync window is whatever the trainer sends; it closes when this replica is done
-        return self._window_forwards < self.spec.optimizer.accumulate
+        return self.policy.forward_allowed(round_active=self._round_active, replicas=self.replicas)
 
     def quota(self) -> int:
         """Micro-batches this replica contributes to one stage step: the stage's ``accumulate``
@@ -277,7 +271,7 @@ class StageCompute:
             if train and self._speculative is not None:  # note "speculative rounds"
                 params, ahead = self._speculative, 1
             if train:
-                self._window_forwards += 1
+                self.policy.forward_started()
         t0 = time.perf_counter()
         try:
             x = self._to_device(x)
@@ -469,7 +463,7 @@ class StageCompute:
         self._gaps.append(now - self.last_gradient_at)
         self.last_gradient_at = now
         if self.replicas > 1:
-            if not self.sync and self.optimizer.pending >= self.quota():
+            if self.policy.share_complete(self.optimizer.pending, self.quota()):
                 self._ready.append(self._take_share())
                 self.on_round_due()
             elif self.optimizer.pending == 1:
@@ -477,14 +471,13 @@ class StageCompute:
             return False
         if not self.optimizer.ready:
             return False
-        if self.sync and len(self.stash) > 0:
+        if not self.policy.may_step(len(self.stash)):
             return False
         served = self.optimizer.step()
         self._pending_forwards = 0
         self._push_version(served)
         self.steps_taken += 1
-        if self.sync:
-            self._window_forwards = 0
+        if self.policy.reset_window():
             self.on_gate_change()
         return True
 
@@ -495,9 +488,7 @@ class StageCompute:
     def _release_window_slot(self) -> None:
         """A training forward of this window will never complete: let another one in (sync mode)."""
         with self.lock:
-            if self._window_forwards > 0:
-                self._window_forwards -= 1
-            if self.sync:
+            if self.policy.release_slot():
                 self._maybe_step()
         self.on_gate_change()
 
@@ -528,7 +519,7 @@ class StageCompute:
             self._pending_forwards = 0
             self._push_version(served)
             self.steps_taken += 1
-            self._window_forwards = 0
+            self.policy.reset_window()
         self.on_gate_change()
         return True
 
@@ -561,7 +552,7 @@ class StageCompute:
             self.stash = MicroBatchStash(self.spec.stash_ttl_s, clock=self.stash.clock)
             self._ready.clear()
             self._pending_forwards = 0
-            self._window_forwards = 0
+            self.policy.reset_window()
         self.on_gate_change()
 
     def _check_state_meta(self, meta: dict[str, Any]) -> int:
@@ -597,7 +588,12 @@ class StageCompute:
         with self.lock:
             if self._round_active:
                 return False
-            if self.sync and not self._ready and self.optimizer.pending and len(self.stash) == 0:
+            if (
+                self.policy.settles_share()
+                and not self._ready
+                and self.optimizer.pending
+                and not len(self.stash)
+            ):
                 if self.stash.clock() - self.last_gradient_at >= settle_s:
                     self._ready.append(self._take_share())
             return bool(self._ready)
@@ -607,11 +603,9 @@ class StageCompute:
         window only once the previous one completed at every stage, so a newer window closes this
         replica's share of the previous one (the forward then waits for the round: forward_allowed)."""
         with self.lock:
-            last = self._windows.get(trainer, -1)
-            if window <= last:
+            if not self.policy.new_window(trainer, window):
                 return
-            self._windows[trainer] = window
-            if self.replicas > 1 and self.sync and self.optimizer.pending and not self._round_active:
+            if self.replicas > 1 and self.optimizer.pending and not self._round_active:
                 self._ready.append(self._take_share())
                 self.on_round_due()
 
@@ -701,7 +695,7 @@ class StageCompute:
                 served = self.optimizer.step_with(mean)
                 self._push_version(served)
                 self.steps_taken += 1
-                self._window_forwards = 0
+                self.policy.reset_window()
                 stepped = True
             self._round_active = False
         self.on_gate_change()

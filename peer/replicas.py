@@ -193,7 +193,7 @@ class ReplicaRounds:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._wake.wait(timeout=0.05 if self.compute.sync else 0.2)
+                self._wake.wait(timeout=self.compute.policy.rounds_poll_s)
                 self._wake.clear()
                 if self._stop.is_set():
                     break
@@ -318,7 +318,7 @@ class ReplicaRounds:
         # overlap the share, instead of starting with its first gradient (a replica whose share was
         # complete first waited for the others' matchmaking, 0.3-1 s a round under load). Not after
         # an empty round (traffic stopped), nor in sync mode, where the next window may never come.
-        busy = mean_count > 0 and not compute.sync
+        busy = mean_count > 0 and compute.policy.rounds_overlap
         if compute.replicas > 1 and (busy or compute.uncombined() > 0) and not self._stop.is_set():
             self._schedule()
         return stepped
