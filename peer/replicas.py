@@ -173,6 +173,7 @@ class ReplicaRounds:
         self.round_s_ema: float | None = None  # seconds a completed round took (EMA)
         self._last_poll = -math.inf
         self._scheduled: _Scheduled | None = None  # the next round, looking for its group (or formed)
+        self.error: Exception | None = None  # what the thread crashed with, if it did
         compute.on_round_due = self._wake.set
         self._thread = threading.Thread(target=self._run, name=f"replica-rounds-{compute.stage}", daemon=True)
 
@@ -198,12 +199,11 @@ class ReplicaRounds:
                 if self._stop.is_set():
                     break
                 self._tick()
-        except Exception:  # a bug here must not leave a peer that silently never steps
-            logger.exception(
-                "replica rounds of stage %d crashed; the peer steps alone from now on", self.compute.stage
-            )
+        except Exception as e:  # a bug here must not leave a peer that silently never steps
+            # the peer's task owner watches ``error``: it logs the traceback and stops the peer
+            # (peer/loops.py); until then the stage steps alone
+            self.error = e
             self.compute.replicas = 1
-            raise
         finally:
             self._drop_scheduled()
 

@@ -2,7 +2,8 @@
 
 Prints exactly one line ``peer <peer_id> serving stage <i> of run <run_id>`` (flushed) once the peer
 is online, so scripts that start peers as subprocesses can wait for it; a move to another stage
-prints ``peer <peer_id> moved to stage <i> of run <run_id>``. On a signal the peer announces
+prints ``peer <peer_id> moved to stage <i> of run <run_id>``. A peer that stopped by itself (a
+background loop crashed for good, peer/tasks.py) says so on stderr and exits with 1. On a signal the peer announces
 ``leaving``, drains in-flight work, saves a checkpoint (with ``--checkpoint-dir``) and stops its
 averager, DHT and daemon, so no process or socket file is left behind.
 """
@@ -36,6 +37,13 @@ async def serve_until_stopped(config: PeerConfig, *, out: TextIO = sys.stdout) -
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
+            if peer.state == "stopped":  # a background loop crashed for good (peer/loops.py)
+                print(
+                    f"peer {peer.peer_id} stopped: its background task {peer.crashed!r} crashed (see the log)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
             if peer.state == "online" and peer.stage != stage:
                 stage = peer.stage
                 print(

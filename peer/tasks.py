@@ -87,7 +87,9 @@ class TaskOwner:
         except Exception:
             logger.exception("background task %r crashed", name)
 
-    async def _supervise(self, name: str, factory: Callable[[], Coroutine[Any, Any, Any]], how: Supervision) -> None:
+    async def _supervise(
+        self, name: str, factory: Callable[[], Coroutine[Any, Any, Any]], how: Supervision
+    ) -> None:
         crashes = 0
         while True:
             started = self._clock()
