@@ -11,7 +11,16 @@ Map of modules:
 - ``throughput``: the short, cached self-benchmark a peer announces.
 - ``averaging``: same-stage state download and parameter averaging (hivemind DecentralizedAverager).
 - ``config``: ``PeerConfig``, the typed options of a peer.
-- ``server``: ``StagePeer``, the lifecycle and data-plane handlers.
+- ``policy``: ``SyncPolicy``/``AsyncPolicy``, what differs between ``optimizer.mode`` sync and async.
+- ``server``: ``StagePeer``, put together from the parts below, and its lifecycle (start, move, shutdown).
+- ``joining``: which stage a peer serves and where its state comes from (donor, keeper, checkpoint, seed).
+- ``loops``: the background loops (announce + rebalance, expiry, authorized set, checkpoints, replica rounds).
+- ``tasks``: ``TaskOwner``, which starts every background loop and restarts it or stops the peer on a crash.
+- ``handlers``: the FORWARD/BACKWARD/INFO/CANCEL handlers (where a FORWARD is validated).
+- ``admission``: the access gate and the queue caps (per sender, global).
+- ``work``: the forward/backward tasks of the compute worker thread.
+- ``sends``: ``Outbox``, sends to the next hop and reports to trainers; micro-batches held here.
+- ``trainers``: ``TrainerWatch``, trainers that cancelled or vanished (their micro-batches are dropped).
 - ``runner``: ``run_peer``, the blocking entry point behind ``swarm peer``.
 """
 

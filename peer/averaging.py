@@ -152,17 +152,12 @@ def quiet_donor_failures() -> None:
 
 @functools.lru_cache(maxsize=1)
 def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); one class per process
-    from hivemind.averaging import DecentralizedAverager
-    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-    from hivemind.proto import averaging_pb2
-
     quiet_donor_failures()
 
-    class _StateAverager(DecentralizedAverager):
+    class _StateAverager(_make_gated_class()):
         """A ``DecentralizedAverager`` whose downloadable state is the stage peer's full state."""
 
         state_fn: StateFn | None = None
-        authorized = _AuthorizedSet()  # made before any averager process forks: shared with all
 
         def get_current_state(self):  # runs in the host process, in hivemind's fetcher thread
             if self.state_fn is None:
@@ -196,6 +191,19 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
                 if p2p is not None:
                     await p2p.shutdown()
 
+    return _StateAverager
+
+
+def _make_gated_class() -> type:
+    """``DecentralizedAverager`` that talks to authorized peers only (see the module note): every
+    outgoing call dials through ``get_stub``, every incoming one is checked by its handler."""
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+    from hivemind.proto import averaging_pb2
+
+    class _GatedAverager(DecentralizedAverager):
+        authorized = _AuthorizedSet()  # made before any averager process forks: shared with all
+
         @classmethod
         def get_stub(cls, p2p, peer, *, namespace=None):  # noqa: ANN001 -- hivemind's signature
             # every outgoing averaging call (state download, join a group, all-reduce parts) dials here
@@ -227,8 +235,8 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
     # hivemind finds handlers by their type hints; this module's annotations are strings (PEP 563)
     # naming imports local to this function, so give the overrides their parents' resolved hints.
     for name in ("rpc_download_state", "rpc_join_group", "rpc_aggregate_part"):
-        getattr(_StateAverager, name).__annotations__ = get_type_hints(getattr(DecentralizedAverager, name))
-    return _StateAverager
+        getattr(_GatedAverager, name).__annotations__ = get_type_hints(getattr(DecentralizedAverager, name))
+    return _GatedAverager
 
 
 class StageAverager:

@@ -279,27 +279,8 @@ class StageCompute:
                 x = self._decode_input(x, tokens)  # (B, T, width) -> (B, T, C)
             if self.is_last and train:
                 return self._last_stage_train(mb_id, x, targets, version, params, t0, count, ahead)
-            if not train or self.spec.optimizer.recompute:
-                with torch.no_grad():
-                    out = self._run(params, x)
-                graph = None
-            else:
-                leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
-                x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
-                with torch.enable_grad():
-                    out = self._run(leaves, x if x_leaf is None else x_leaf)
-                graph = (out, x_leaf, leaves)
-            result = ForwardResult(version=version, compute_s=0.0)
-            if self.is_last:
-                logits = out.float()  # (B, T, vocab)
-                if targets is not None:
-                    result.loss = float(lm_loss(logits, targets.to(self.device)))
-                    result.n_tokens = int(targets.numel())
-                if mode == "generate":
-                    result.logits_last = logits[:, -1, :].detach().cpu()  # (B, vocab)
-            else:
-                sent = self.boundary.encode_activation(out.detach(), self._tokens(tokens, out))
-                result.output = sent.float().cpu()  # (B, T, width)
+            out, graph = self._forward_graph(params, x, train)
+            result = self._forward_result(out, version, mode, targets, tokens)
             if train:
                 entry = self.stash.new_entry(
                     mb_id,
@@ -319,6 +300,39 @@ class StageCompute:
                 self._release_window_slot()
             raise
         result.compute_s = time.perf_counter() - t0
+        return result
+
+    def _forward_graph(self, params: Params, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, Any]:
+        """The stage's output, and in train mode without ``recompute`` the graph its backward needs."""
+        if not train or self.spec.optimizer.recompute:
+            with torch.no_grad():
+                return self._run(params, x), None
+        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+        x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
+        with torch.enable_grad():
+            out = self._run(leaves, x if x_leaf is None else x_leaf)
+        return out, (out, x_leaf, leaves)
+
+    def _forward_result(
+        self,
+        out: torch.Tensor,
+        version: int,
+        mode: Mode,
+        targets: torch.Tensor | None,
+        tokens: torch.Tensor | None,
+    ) -> ForwardResult:
+        """What leaves the stage: the loss or last logits on the last stage, else what crosses the boundary."""
+        result = ForwardResult(version=version, compute_s=0.0)
+        if self.is_last:
+            logits = out.float()  # (B, T, vocab)
+            if targets is not None:
+                result.loss = float(lm_loss(logits, targets.to(self.device)))
+                result.n_tokens = int(targets.numel())
+            if mode == "generate":
+                result.logits_last = logits[:, -1, :].detach().cpu()  # (B, vocab)
+        else:
+            sent = self.boundary.encode_activation(out.detach(), self._tokens(tokens, out))
+            result.output = sent.float().cpu()  # (B, T, width)
         return result
 
     def _last_stage_train(

@@ -1,6 +1,6 @@
 """A stage peer's side of failure detection, on loopback with real hivemind peers: INFO probes
 list what the peer holds, CANCEL drops a trainer's micro-batches, and a trainer that vanished has
-its stash entries dropped long before their TTL (note "trainers that vanish" in peer/server.py).
+its stash entries dropped long before their TTL (note "trainers that vanish" in peer/trainers.py).
 
 The next hop of the route is a fake stage 1 (the test's own P2P) that acknowledges FORWARD and
 never sends the backward, so stage 0 keeps the micro-batch in its stash until something drops it.

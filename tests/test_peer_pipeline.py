@@ -329,3 +329,44 @@ def test_async_pipeline_with_many_micro_batches_in_flight():
             await stop_all(peers, driver)
 
     asyncio.run(main())
+
+
+def test_a_peer_whose_loop_keeps_crashing_stops_and_announces_leaving(monkeypatch, caplog):
+    """peer/tasks.py end to end: the expiry loop raises; after its restart the peer stops itself,
+    its record says ``leaving`` and the runner's view (``state``, ``crashed``) names the loop."""
+    import logging
+
+    import peer.loops
+    from peer.tasks import Supervision
+
+    monkeypatch.setitem(
+        peer.loops.SUPERVISION, "expiry", Supervision(restart=True, max_restarts=1, backoff_s=0.0)
+    )
+    spec = tiny_spec("crash1", stages=1, mode="async")
+    runs: list[int] = []
+
+    async def crashing_expiry() -> None:
+        runs.append(1)
+        raise RuntimeError("a bug in the expiry loop")
+
+    async def main():
+        driver = Driver(spec)
+        peers: list[StagePeer] = []
+        try:
+            await driver.start()
+            p = StagePeer(peer_config(driver, 0, announce_period_s=5.0))
+            p._expiry_loop = crashing_expiry  # the loop the owner starts (and restarts)
+            peers.append(p)
+            await p.start()
+            async with asyncio.timeout(20):
+                while p.state != "stopped":
+                    await asyncio.sleep(0.05)
+            assert p.crashed == "expiry" and len(runs) == 2  # the first run and one restart
+            records = await asyncio.to_thread(driver.membership.stage_records, 0)
+            assert records[p.peer_id].state == "leaving"
+        finally:
+            await stop_all(peers, driver)
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(main())
+    assert any("'expiry' crashed" in r.getMessage() and r.exc_info for r in caplog.records)
