@@ -6,6 +6,7 @@ It builds on ``swarm.run`` (spec, model, optimizer), ``swarm.wire`` (the protoco
 Map of modules:
 - ``stash``: weight versions and the per-micro-batch stash (weight stashing, TTL expiry).
 - ``compute``: the stage's forward/backward with stashed versions and local steps (no network).
+- ``stage_math``: ``StageModule``, the stage's module run functionally on one weight version, and its boundary.
 - ``runtime``: the bounded compute queue and its single worker thread.
 - ``checkpoint``: atomic save/load of a stage's state.
 - ``throughput``: the short, cached self-benchmark a peer announces.

@@ -1,5 +1,8 @@
 """Same-stage synchronisation over hivemind: state download for joining peers, and gradient rounds.
 
+(Over 400 lines on purpose: the hivemind averager subclass, its process-shared authorized set and its
+log filter only make sense together with the ``StageAverager`` that drives them.)
+
 Both use one ``hivemind.averaging.DecentralizedAverager`` per (run, stage), with the prefix
 ``<run_id>_<spec_hash>_stage<i>`` (averager prefixes must not contain '.'; run ids and hashes
 cannot). The spec hash is in the prefix so that two specs published under one run id (a mistake,

@@ -1,8 +1,12 @@
 """The compute core of a stage peer: forward, backward, weight versions, stash and local steps. No network.
 
+(Over 400 lines on purpose: versions, stash, optimizer and replica shares change together under one
+lock, and their invariants are easier to check in one class than spread over files.)
+
 :class:`StageCompute` is what the worker thread of ``peer/runtime.py`` calls. It runs the stage
-module *functionally* (``torch.func.functional_call``) with the tensors of one weight version, so
-different micro-batches can use different versions without copying weights into the module:
+module *functionally* (``torch.func.functional_call``, in ``peer/stage_math.py``) with the tensors of
+one weight version, so different micro-batches can use different versions without copying weights
+into the module:
 
 - ``forward(mb_id, x, mode)`` runs with the latest version ``v`` and, in ``train`` mode, stashes
   ``(v, input)`` (``recompute=True``) or ``(v, graph)`` (``recompute=False``). On the last stage a
@@ -58,15 +62,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from torch.func import functional_call
 
 from peer.policy import StepPolicy, policy_for
+from peer.stage_math import ForwardResult, Mode, Params, StageModule
 from peer.stash import MicroBatchStash, StashEntry, WeightVersions
 from swarm.errors import RequestError
-from swarm.run.model import autocast_dtype, build_stage, lm_loss
 from swarm.run.optimizer import StageOptimizer
 from swarm.run.spec import RunSpec
 
@@ -80,28 +83,6 @@ QUIET_FACTOR = 1.5
 GAPS_KEPT = 32
 
 logger = logging.getLogger(__name__)
-
-Mode = Literal["train", "eval", "generate"]
-Params = dict[str, torch.Tensor]
-
-
-@dataclass
-class ForwardResult:
-    """What a forward produced. ``output``: what crosses the boundary to the next stage, ``(B, T, width)``
-    float32 on CPU (the hidden state, or its subspace coefficients; not on the last stage).
-
-    Last stage: ``loss`` (train/eval), ``logits_last`` ``(B, vocab)`` float32 (generate), and in train
-    mode ``grad_input`` ``(B, T, width)`` (None when the stage is also stage 0) plus ``stepped``.
-    """
-
-    version: int
-    compute_s: float
-    output: torch.Tensor | None = None
-    loss: float | None = None
-    n_tokens: int = 0
-    logits_last: torch.Tensor | None = None
-    grad_input: torch.Tensor | None = None
-    stepped: bool = False
 
 
 @dataclass
@@ -138,24 +119,15 @@ class StageCompute:
         clock: Callable[[], float] = time.monotonic,
         initial: dict[str, torch.Tensor] | None = None,
     ):
-        from swarm.run.subspace import make_boundary
-
         self.spec = spec
         self.stage = stage
-        self.device = torch.device(device)
         # initial: the stage's weights at version 0 (a checkpoint's), instead of the seed's draws
-        self.module = build_stage(spec, stage, device=self.device, weights=initial)
-        self.module.requires_grad_(False)
-        self.is_first, self.is_last = self.module.is_first, self.module.is_last
-        self.optimizer = StageOptimizer(dict(self.module.named_parameters()), spec.optimizer)
-        # The module is only a structure for functional_call from here on: free its own weights.
-        for p in self.module.parameters():
-            p.data = torch.empty(0, device=self.device)
-        self.autocast = autocast_dtype(spec, self.device)
-        # What crosses a stage boundary (see swarm/run/subspace.py): subspace coefficients (B, T, k) in a
-        # subspace-constrained run, the hidden state itself otherwise. Applied on the compute device.
-        self.boundary = make_boundary(spec, self.device)
-        self.width = self.boundary.width
+        self.net = StageModule(spec, stage, device=device, initial=initial)
+        self.device = self.net.device
+        self.is_first, self.is_last = self.net.is_first, self.net.is_last
+        self.optimizer = StageOptimizer(self.net.parameters(), spec.optimizer)
+        self.net.free_weights()  # the optimizer holds the weights from here on
+        self.width = self.net.width  # of what crosses the stage boundary: d_model, or k in a subspace run
         self.versions = WeightVersions(spec.optimizer.max_versions)
         self.version = 0
         self.versions.reset(0, self.optimizer.served())
@@ -181,42 +153,6 @@ class StageCompute:
         # note "speculative rounds": on by default for async replicas; peer/replicas.py may turn it off
         self.speculate = self.policy.speculates
         self._speculative: Params | None = None  # weights training forwards use while a round runs
-
-    # ---- helpers ------------------------------------------------------------------------------
-
-    def _autocast(self) -> Any:
-        if self.autocast is None:
-            return torch.autocast(self.device.type, enabled=False)
-        return torch.autocast(self.device.type, dtype=self.autocast)
-
-    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            # pinned host memory lets the copy run asynchronously with respect to the host
-            return x.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device)
-
-    def _run(self, params: Params, x: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            return functional_call(self.module, params, (x,))
-
-    def _tokens(self, tokens: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-        """Token ids for the boundary; only a subspace boundary reads them."""
-        if tokens is None:
-            if self.boundary.needs_tokens:
-                raise RequestError("this run's subspace boundary needs the micro-batch's token ids")
-            return like.new_zeros(like.shape[:2], dtype=torch.long)  # unused by the identity boundary
-        return tokens.to(self.device)
-
-    def _decode_input(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() != 3 or x.shape[-1] != self.width:
-            raise RequestError(
-                f"stage {self.stage} takes (B, T, {self.width}) from the previous stage, got {tuple(x.shape)}"
-            )
-        return self.boundary.decode_activation(x, self._tokens(tokens, x))
-
-    def _encode_grad(self, grad_input: torch.Tensor) -> torch.Tensor:
-        """Input gradient (B, T, C) -> what goes back to the previous stage (B, T, width), float32 CPU."""
-        return self.boundary.encode_grad(grad_input.detach()).float().cpu()
 
     def forward_allowed(self) -> bool:
         """The runtime's forward gate: False in sync mode once this step's forwards have all started,
@@ -274,13 +210,13 @@ class StageCompute:
                 self.policy.forward_started()
         t0 = time.perf_counter()
         try:
-            x = self._to_device(x)
+            x = self.net.to_device(x)
             if not self.is_first:
-                x = self._decode_input(x, tokens)  # (B, T, width) -> (B, T, C)
+                x = self.net.decode_input(x, tokens)  # (B, T, width) -> (B, T, C)
             if self.is_last and train:
                 return self._last_stage_train(mb_id, x, targets, version, params, t0, count, ahead)
-            out, graph = self._forward_graph(params, x, train)
-            result = self._forward_result(out, version, mode, targets, tokens)
+            out, graph = self.net.forward_graph(params, x, train)
+            result = self.net.forward_result(out, version, mode, targets, tokens)
             if train:
                 entry = self.stash.new_entry(
                     mb_id,
@@ -302,39 +238,6 @@ class StageCompute:
         result.compute_s = time.perf_counter() - t0
         return result
 
-    def _forward_graph(self, params: Params, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, Any]:
-        """The stage's output, and in train mode without ``recompute`` the graph its backward needs."""
-        if not train or self.spec.optimizer.recompute:
-            with torch.no_grad():
-                return self._run(params, x), None
-        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
-        x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
-        with torch.enable_grad():
-            out = self._run(leaves, x if x_leaf is None else x_leaf)
-        return out, (out, x_leaf, leaves)
-
-    def _forward_result(
-        self,
-        out: torch.Tensor,
-        version: int,
-        mode: Mode,
-        targets: torch.Tensor | None,
-        tokens: torch.Tensor | None,
-    ) -> ForwardResult:
-        """What leaves the stage: the loss or last logits on the last stage, else what crosses the boundary."""
-        result = ForwardResult(version=version, compute_s=0.0)
-        if self.is_last:
-            logits = out.float()  # (B, T, vocab)
-            if targets is not None:
-                result.loss = float(lm_loss(logits, targets.to(self.device)))
-                result.n_tokens = int(targets.numel())
-            if mode == "generate":
-                result.logits_last = logits[:, -1, :].detach().cpu()  # (B, vocab)
-        else:
-            sent = self.boundary.encode_activation(out.detach(), self._tokens(tokens, out))
-            result.output = sent.float().cpu()  # (B, T, width)
-        return result
-
     def _last_stage_train(
         self,
         mb_id: str,
@@ -348,15 +251,7 @@ class StageCompute:
     ) -> ForwardResult:
         """Loss and its backward at once: the last stage needs no stash."""
         assert targets is not None
-        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
-        x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
-        with torch.enable_grad():
-            logits = self._run(leaves, x if x_leaf is None else x_leaf)  # (B, T, vocab)
-            loss = lm_loss(logits, targets.to(self.device))
-            inputs = list(leaves.values()) + ([x_leaf] if x_leaf is not None else [])
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-        param_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
-        grad_input = self._encode_grad(grads[-1]) if x_leaf is not None else None
+        loss, param_grads, grad_input = self.net.loss_grads(params, x, targets)
         with self.lock:
             stepped = False
             if count:
@@ -367,7 +262,7 @@ class StageCompute:
         return ForwardResult(
             version=version,
             compute_s=time.perf_counter() - t0,
-            loss=float(loss.detach()),
+            loss=loss,
             n_tokens=int(targets.numel()),
             grad_input=grad_input,
             stepped=stepped,
@@ -405,7 +300,7 @@ class StageCompute:
                 raise
         t0 = time.perf_counter()
         try:
-            grad_input, param_grads = self._backward_math(entry, params, grad_output)
+            grad_input, param_grads = self.net.backward(entry, params, grad_output)
         except BaseException:
             with self.lock:  # the entry is gone: count it and free its sync-window slot
                 self.stash.dropped += 1
@@ -427,30 +322,6 @@ class StageCompute:
             staleness=staleness,
             entry=entry,
         )
-
-    def _backward_math(
-        self, entry: StashEntry, params: Params, grad_output: torch.Tensor
-    ) -> tuple[torch.Tensor | None, Params]:
-        """Input gradient ``(B, T, width)`` (None on stage 0) and parameter gradients for one stashed forward."""
-        if entry.graph is not None:
-            out, x_leaf, leaves = entry.graph
-        else:  # recompute the forward with the stashed version's weights
-            leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
-            x = entry.inputs
-            x_leaf = x.detach().requires_grad_(True) if x.is_floating_point() else None
-            with torch.enable_grad():
-                out = self._run(leaves, x if x_leaf is None else x_leaf)
-        if tuple(grad_output.shape) != entry.output_shape:
-            raise RequestError(
-                f"gradient of shape {tuple(grad_output.shape)} does not match what this stage sent, "
-                f"{entry.output_shape}, for micro-batch {entry.mb_id!r}"
-            )
-        grad_output = self.boundary.decode_grad(self._to_device(grad_output))  # (B, T, width) -> (B, T, C)
-        inputs = list(leaves.values()) + ([x_leaf] if x_leaf is not None else [])
-        grads = torch.autograd.grad(out, inputs, grad_outputs=grad_output.to(out.dtype), allow_unused=True)
-        param_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
-        grad_input = self._encode_grad(grads[-1]) if x_leaf is not None else None
-        return grad_input, param_grads
 
     # ---- steps, drops, expiry ------------------------------------------------------------------
 
