@@ -33,7 +33,7 @@ from peer.tasks import Supervision
 from swarm.errors import Failure, PeerFailure, RequestError, SwarmError
 from swarm.wire.protocol import INFO, Message, call
 
-__all__ = ["SUPERVISION", "Background"]
+__all__ = ["SUPERVISION", "Background", "watch_rounds"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class Background:
         )
         self._rounds = rounds
         rounds.start()
-        self._tasks.loop("replica rounds", lambda: _watch(rounds), SUPERVISION["replica rounds"])
+        self._tasks.loop("replica rounds", lambda: watch_rounds(rounds), SUPERVISION["replica rounds"])
 
     async def _stop_rounds(self) -> None:
         if self._rounds is not None:
@@ -253,7 +253,7 @@ class Background:
         save_checkpoint(self.config.checkpoint_dir, self._as_checkpoint(self.compute))
 
 
-async def _watch(rounds: ReplicaRounds) -> None:
+async def watch_rounds(rounds: ReplicaRounds) -> None:
     """Return when the rounds thread ends; raise what it crashed with, if it did."""
     while rounds.alive:
         await asyncio.sleep(_ROUNDS_WATCH_S)

@@ -54,7 +54,7 @@ class TrainerWatch:
         self._compute = compute
         self._ping = ping
         self._spawn = spawn
-        self._counters = counters  # the peer's: trainer_gone, cancelled
+        self._counters = counters  # the peer's: trainer_gone
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (trainer, mb_id)
         self._gone: OrderedDict[str, float] = OrderedDict()  # trainer -> when it was found unreachable
         self._heard: dict[str, float] = {}  # trainer -> last sign of life (monotonic)

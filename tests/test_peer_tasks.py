@@ -179,3 +179,65 @@ def test_every_peer_loop_has_a_supervision():
     assert set(SUPERVISION) == {"announce", "expiry", "authorized", "checkpoint", "replica rounds"}
     assert not SUPERVISION["replica rounds"].restart  # a half-taken round cannot be repaired by a restart
     assert all(SUPERVISION[name].restart for name in ("announce", "expiry", "authorized", "checkpoint"))
+
+
+def test_a_crashed_replica_rounds_thread_stops_the_peer(caplog):
+    """The rounds run in their own thread; its crash reaches the owner through ``watch_rounds``."""
+    from peer.loops import watch_rounds
+    from peer.policy import AsyncPolicy
+    from peer.replicas import ReplicaRounds, RoundsConfig
+
+    class BrokenCompute:
+        stage, replicas, policy = 0, 2, AsyncPolicy()
+        on_round_due = None
+
+        def quiet_after(self, floor_s, cap_s):
+            return floor_s
+
+        def round_due(self, settle_s):
+            raise Boom("a bug in the rounds")
+
+    compute = BrokenCompute()
+    rounds = ReplicaRounds(
+        compute, None, peer_id="me", config=RoundsConfig(), replicas_fn=lambda: 2, catch_up=lambda v: False
+    )
+
+    async def main():
+        owner, fatal = owner_with_fatal()
+        rounds.start()
+        owner.loop("replica rounds", lambda: watch_rounds(rounds), SUPERVISION["replica rounds"])
+        await settle(lambda: bool(fatal))
+        assert fatal[0][0] == "replica rounds" and isinstance(fatal[0][1], Boom)
+        assert compute.replicas == 1  # meanwhile the stage steps alone
+        await owner.close()
+
+    with caplog.at_level(logging.ERROR, logger="peer.tasks"):
+        asyncio.run(main())
+    (record,) = crash_records(caplog, "replica rounds")
+    assert "a bug in the rounds" in str(record.exc_info[1])
+
+
+def test_stopped_replica_rounds_just_end_their_watch():
+    from peer.loops import watch_rounds
+    from peer.policy import AsyncPolicy
+    from peer.replicas import ReplicaRounds, RoundsConfig
+
+    class IdleCompute:
+        stage, replicas, policy = 0, 1, AsyncPolicy()
+        on_round_due = None
+
+    rounds = ReplicaRounds(
+        IdleCompute(),
+        None,
+        peer_id="me",
+        config=RoundsConfig(),
+        replicas_fn=lambda: 1,
+        catch_up=lambda v: False,
+    )
+
+    async def main():
+        rounds.start()
+        await asyncio.to_thread(rounds.stop, 5)
+        await asyncio.wait_for(watch_rounds(rounds), 5)  # returns, raises nothing
+
+    asyncio.run(main())
