@@ -98,6 +98,7 @@ class Outbox:
             fut = asyncio.ensure_future(coro)
             self._sends.add(fut)
             fut.add_done_callback(self._sends.discard)
+            fut.add_done_callback(_log_crash)
             if hold is not None:
                 fut.add_done_callback(lambda _: self.unhold(hold))
 
@@ -220,3 +221,9 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def _log_crash(fut: asyncio.Future) -> None:
+    """A send raised something it does not handle (a bug): say so, with the traceback."""
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.error("a send of this peer crashed", exc_info=fut.exception())

@@ -66,7 +66,9 @@ class TaskOwner:
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a one-shot task; a crash is logged with ``name``, nothing else."""
-        self._track(asyncio.create_task(self._once(name, coro), name=name))
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(_log_crash)
+        self._track(task)
 
     async def close(self) -> None:
         """Cancel every task and wait until they ended. Tasks started meanwhile are cancelled too."""
@@ -80,12 +82,6 @@ class TaskOwner:
     def _track(self, task: asyncio.Task) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _once(self, name: str, coro: Coroutine[Any, Any, Any]) -> None:
-        try:
-            await coro
-        except Exception:
-            logger.exception("background task %r crashed", name)
 
     async def _supervise(
         self, name: str, factory: Callable[[], Coroutine[Any, Any, Any]], how: Supervision
@@ -121,4 +117,15 @@ class TaskOwner:
         if self._fatal is not None:  # another loop stops the peer already
             return
         self.crashed = name
-        self._fatal = asyncio.create_task(self._on_fatal(name, error), name=f"stop after {name}")
+        self._fatal = asyncio.create_task(self._stop_peer(name, error), name=f"stop after {name}")
+
+    async def _stop_peer(self, name: str, error: BaseException) -> None:
+        try:
+            await self._on_fatal(name, error)
+        except Exception:
+            logger.exception("stopping the peer after background task %r crashed failed too", name)
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("background task %r crashed", task.get_name(), exc_info=task.exception())
