@@ -188,7 +188,7 @@ def test_a_crashed_replica_rounds_thread_stops_the_peer(caplog):
     from peer.replicas import ReplicaRounds, RoundsConfig
 
     class BrokenCompute:
-        stage, replicas, policy = 0, 2, AsyncPolicy()
+        stage, replicas, policy, speculate = 0, 2, AsyncPolicy(), False
         on_round_due = None
 
         def quiet_after(self, floor_s, cap_s):
@@ -223,7 +223,7 @@ def test_stopped_replica_rounds_just_end_their_watch():
     from peer.replicas import ReplicaRounds, RoundsConfig
 
     class IdleCompute:
-        stage, replicas, policy = 0, 1, AsyncPolicy()
+        stage, replicas, policy, speculate = 0, 1, AsyncPolicy(), False
         on_round_due = None
 
     rounds = ReplicaRounds(
