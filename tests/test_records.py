@@ -305,3 +305,101 @@ def test_dht_schema_accepts_what_readers_accept_and_refuses_garbage(owner):
     assert not ok(
         registry_schema, R.REGISTRY_KEY, R.labelled_subkey("tiny", marker), {**entry.to_wire(), "peers": -1}
     )
+
+
+# sha256 of MSGPackSerializer.dumps(record.to_wire()): the bytes every DHT node stores and compares.
+# A refactoring of records.py must not change them (old and new peers must read each other).
+GOLDEN_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+GOLDEN_WIRE = {
+    "peer": "dc9f3a71c4ee201bf504d42868dd8d6b474496113810102851edf4bf0cbbbe73",
+    "entry": "843c72849b7513b76339f422b9b50b717483d68710d1e722662b22609b3919cf",
+    "progress": "1c88996211be6d2ddff3c4f522157f7d3d9d2bd1f4adde0d7c872119eb360890",
+    "progress_noloss": "eb0d2cd20f35f9b8f66ce4426d9fe90e25f5298a14638ddf263c18b3e90507ab",
+    "snapshots": "54510355cea3a46659b76e2a5b7f177beeb47ad55a8d742eb6ea9f8c6a5dff51",
+    "event": "84ce5ae8a3193cdef2ce7a39bc20e2332149ff926075e26ecb46f1ea6192becb",
+    "spec": "312122b1238cf1c49ebfeeba10454371a5f0fd0a77fde54a1ac79a709eb68260",
+}
+
+
+def golden_records() -> dict[str, object]:
+    pid, h, sw, canonical = GOLDEN_ID, SPEC_HASH, "0.9.1", b'{"run_id":"tiny","seed":0}'
+    return {
+        "peer": R.PeerRecord(
+            peer_id=pid,
+            run_id="tiny",
+            stage=3,
+            state="online",
+            throughput=1234.5,
+            queue=2,
+            version=7,
+            codecs=("fp16", "blockwise8"),
+            spec_hash=h,
+            software=sw,
+        ),
+        "entry": R.RunEntry(
+            run_id="tiny",
+            spec_hash=h,
+            num_stages=4,
+            n_params=10**6,
+            n_layers=8,
+            d_model=256,
+            peers=3,
+            owner=pid,
+            software=sw,
+        ),
+        "progress": R.ProgressRecord(
+            trainer_id="trainer-1",
+            run_id="tiny",
+            spec_hash=h,
+            tokens=4096,
+            steps=8,
+            loss=2.25,
+            tokens_per_s=512,
+            software=sw,
+        ),
+        "progress_noloss": R.ProgressRecord(
+            trainer_id="t",
+            run_id="tiny",
+            spec_hash=h,
+            tokens=0,
+            steps=0,
+            loss=None,
+            tokens_per_s=0.0,
+            software=sw,
+        ),
+        "snapshots": R.SnapshotIndex(
+            keeper_id=pid,
+            run_id="tiny",
+            spec_hash=h,
+            versions=[3, -1],
+            taken_at=[1700000000.5, 0],
+            seen=[4, -1],
+            interval_s=30,
+            software=sw,
+        ),
+        "event": R.StageEvent(
+            peer_id=pid,
+            run_id="tiny",
+            spec_hash=h,
+            stage=1,
+            kind="rollback",
+            source="keeper",
+            version=5,
+            lost_from=9,
+            at=1700000000.25,
+            software=sw,
+        ),
+        "spec": R.SpecRecord(run_id="tiny", spec_hash=R.spec_hash_of(canonical), canonical=canonical),
+    }
+
+
+def test_record_bytes_on_the_wire_are_pinned():
+    import hashlib
+
+    from hivemind.utils import MSGPackSerializer
+
+    found = {
+        name: hashlib.sha256(MSGPackSerializer.dumps(rec.to_wire())).hexdigest()
+        for name, rec in golden_records().items()
+    }
+    assert found == GOLDEN_WIRE
