@@ -403,3 +403,67 @@ def test_record_bytes_on_the_wire_are_pinned():
         for name, rec in golden_records().items()
     }
     assert found == GOLDEN_WIRE
+
+
+_ODD_VALUES = (
+    None,
+    True,
+    -1,
+    0,
+    7,
+    1.5,
+    -2.0,
+    math.nan,
+    "",
+    "x",
+    "x" * 200,
+    b"x",
+    [],
+    ["fp16"],
+    [1],
+    [-1, 3],
+    {},
+)
+
+
+def test_dht_schema_and_readers_share_each_field_rule(owner):
+    """The schema is derived from the record declarations: on every field, a value the readers' field
+    rules refuse is refused by DHT nodes too, and anything the readers accept is stored."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.schema import SchemaValidator
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer
+
+    _, marker, _ = owner
+    run_schema = SchemaValidator(R.RunKeysSchema, prefix=R.run_prefix("tiny"), allow_extra_keys=True)
+    registry_schema = SchemaValidator(R.RegistryKeysSchema, prefix=R.KEY_PREFIX, allow_extra_keys=True)
+    where = {
+        "peer": (run_schema, R.stage_key("tiny", 3)),
+        "entry": (registry_schema, R.REGISTRY_KEY),
+        "progress": (run_schema, R.progress_key("tiny")),
+        "snapshots": (run_schema, R.snapshots_key("tiny")),
+        "event": (run_schema, R.events_key("tiny")),
+        "spec": (run_schema, R.spec_key("tiny")),
+    }
+    checked = 0
+    for name, (validator, key) in where.items():
+        rec = golden_records()[name]
+        for field_name, good in rec.to_wire().items():
+            for odd in (*_ODD_VALUES, good):
+                wire = {**rec.to_wire(), field_name: odd}
+                record = DHTRecord(
+                    key=DHTID.generate(source=key).to_bytes(),
+                    subkey=MSGPackSerializer.dumps(marker),
+                    value=MSGPackSerializer.dumps(wire),
+                    expiration_time=time.time() + 10,
+                )
+                stored = validator.validate(record)
+                try:
+                    type(rec).parse_wire(wire)
+                except RecordError as e:
+                    if str(e).startswith("field "):  # a field rule, not one between fields
+                        assert not stored, (name, field_name, odd)
+                        checked += 1
+                else:
+                    assert stored, (name, field_name, odd)
+    assert checked > 300

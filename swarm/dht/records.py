@@ -32,22 +32,25 @@ peers may add fields without a version bump; a bump means an incompatible change
 the ``*.from_wire`` constructors, which raise ``RecordError`` on anything malformed; callers in
 ``membership.py`` drop such records and count them, so garbage in the DHT never crashes a reader.
 
-The pydantic (v1) schemas at the end are what ``network.start_dht`` installs in every DHT node, so
-nodes refuse wrong types before storing them. They are deliberately looser than ``from_wire`` (they
-cannot see the run id or spec hash a reader expects), never stricter: a test checks that every
-record ``from_wire`` accepts passes them, so all our nodes agree on what may be stored.
+Each record is declared once, as a dataclass whose fields carry their wire rule
+(``swarm/dht/wire_fields.py``). The pydantic (v1) schemas at the end, which ``network.start_dht``
+installs in every DHT node so nodes refuse malformed values before storing them, are derived from
+those declarations and run the readers' own field checks. They cannot see the run id, subkey or spec
+hash a reader expects, so they are looser than ``from_wire`` there, never stricter: all our nodes
+agree on what may be stored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import math
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import pydantic.v1 as pydantic
 
+from swarm.dht.wire_fields import RECORD_VERSION, Rule, WireRecord, blob, choice, count, items, real, text
 from swarm.errors import ConfigError, RecordError
 from swarm.version import __version__
 
@@ -85,7 +88,6 @@ __all__ = [
     "RegistryKeysSchema",
 ]
 
-RECORD_VERSION = 1
 KEY_PREFIX = "swarmpipe"
 REGISTRY_FIELD = "runs"
 REGISTRY_KEY = f"{KEY_PREFIX}_{REGISTRY_FIELD}"
@@ -102,10 +104,9 @@ _LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
 _SPEC_HASH_RE = re.compile(r"[0-9a-f]{16}")
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
-_MAX_STR = 128
 _MAX_CODECS = 16
 _MAX_THROUGHPUT = 1e12  # tokens/s; anything above is a lie, not a measurement
-_MAX_COUNT = 1 << 62  # tokens, steps, queue, version: fits msgpack int64 with room
+_MAX_TIME = 1e11  # wall-clock seconds (year ~5138): anything above is garbage
 
 
 # --------------------------------------------------------------------------------------------- keys
@@ -241,115 +242,47 @@ def peer_id_of_subkey(subkey: object) -> str:
     return peer_id_from_ssh_public_key(marker[len(b"[owner:") : -1])
 
 
-# -------------------------------------------------------------------------------- field validators
-
-
-def _wire_dict(value: object, kind: str) -> dict:
-    if not isinstance(value, dict):
-        raise RecordError(f"{kind} value is a {type(value).__name__}, expected a dict")
-    version = value.get("v")
-    if version != RECORD_VERSION or isinstance(version, bool):
-        raise RecordError(
-            f"{kind} has record version {version!r}; this software reads version {RECORD_VERSION}"
-        )
-    return value
-
-
-def _str(d: dict, name: str, pattern: re.Pattern | None = None, max_len: int = _MAX_STR) -> str:
-    value = d.get(name)
-    if not isinstance(value, str) or not 0 < len(value) <= max_len:
-        raise RecordError(
-            f"field {name!r}={value!r:.60} must be a non-empty string of at most {max_len} chars"
-        )
-    if pattern is not None and not pattern.fullmatch(value):
-        raise RecordError(f"field {name!r}={value!r:.60} does not match {pattern.pattern}")
-    return value
-
-
-def _count(d: dict, name: str) -> int:
-    value = d.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_COUNT:
-        raise RecordError(f"field {name!r}={value!r:.40} must be an integer in 0..2**62")
-    return value
-
-
-def _rate(d: dict, name: str) -> float:
-    value = d.get(name)
-    if not isinstance(value, float) or not math.isfinite(value) or not 0.0 <= value <= _MAX_THROUGHPUT:
-        raise RecordError(f"field {name!r}={value!r:.40} must be a finite float in [0, 1e12]")
-    return value
-
-
 # ---------------------------------------------------------------------------------------- records
+# Each field is declared once, with its rule (swarm/dht/wire_fields.py): the wire dict, the readers'
+# checks and the DHT nodes' schema all come from these declarations. Wire order = declaration order.
+
+
+def _rule(rule: Rule, *, default: object = dataclasses.MISSING, wire_name: str | None = None) -> Any:
+    metadata = {"rule": rule} if wire_name is None else {"rule": rule, "wire_name": wire_name}
+    return field(default=default, metadata=metadata)
+
+
+_PEER_ID = text(_PEER_ID_RE)
+_RUN_ID = text(_RUN_ID_RE)
+_SPEC_HASH = text(_SPEC_HASH_RE)
+_SOFTWARE = text(max_len=32)
+_STAGE = count(0, MAX_STAGES - 1)
+_RATE = real(0.0, _MAX_THROUGHPUT, "a finite float in [0, 1e12]")
+_TIME = real(0.0, _MAX_TIME, "a finite float of wall-clock seconds")
+_VERSIONS = items(count(-1), 1, MAX_STAGES, f"a list of 1..{MAX_STAGES} integers >= -1")
 
 
 @dataclass(frozen=True, kw_only=True)
-class PeerRecord:
+class PeerRecord(WireRecord):
     """What one stage peer says about itself, refreshed every few seconds with a short expiration."""
 
-    peer_id: str  # libp2p peer id (base58) of the peer's DHT/P2P identity
-    run_id: str
-    stage: int
+    KIND: ClassVar[str] = "peer record"
+
+    peer_id: str = _rule(_PEER_ID)  # libp2p peer id (base58) of the peer's DHT/P2P identity
+    run_id: str = _rule(_RUN_ID)
+    stage: int = _rule(_STAGE)
     # joining: loading weights; online: serving; leaving: about to go; reading: downloads the stage's
     # state and serves nothing (``swarm export`` of a gated run: peers share state only with listed ids)
-    state: PeerState
-    throughput: float  # tokens/s of forward+backward on this stage, as measured by the peer; finite, >= 0
-    queue: int  # requests waiting in the peer's compute queue
-    version: int  # local weight version (optimizer steps taken on this stage)
-    codecs: tuple[str, ...]  # codec names this peer can decode
-    spec_hash: str  # RunSpec.spec_hash the peer runs with
-    software: str = __version__  # swarm.version.__version__ of the peer
-
-    def __post_init__(self) -> None:
-        # Coerce the natural local spellings (int throughput, list of codecs) before the strict checks.
-        if isinstance(self.throughput, int) and not isinstance(self.throughput, bool):
-            object.__setattr__(self, "throughput", float(self.throughput))
-        if isinstance(self.codecs, list):
-            object.__setattr__(self, "codecs", tuple(self.codecs))
-        PeerRecord._validate(self.to_wire())
-
-    def to_wire(self) -> dict:
-        return {
-            "v": RECORD_VERSION,
-            "peer_id": self.peer_id,
-            "run_id": self.run_id,
-            "stage": self.stage,
-            "state": self.state,
-            "throughput": self.throughput,
-            "queue": self.queue,
-            "version": self.version,
-            "codecs": list(self.codecs) if isinstance(self.codecs, tuple | list) else self.codecs,
-            "spec_hash": self.spec_hash,
-            "software": self.software,
-        }
-
-    @staticmethod
-    def _validate(d: dict) -> dict:
-        d = _wire_dict(d, "peer record")
-        out = {
-            "peer_id": _str(d, "peer_id", _PEER_ID_RE),
-            "run_id": _str(d, "run_id", _RUN_ID_RE),
-            "stage": _count(d, "stage"),
-            "state": _str(d, "state"),
-            "throughput": _rate(d, "throughput"),
-            "queue": _count(d, "queue"),
-            "version": _count(d, "version"),
-            "spec_hash": _str(d, "spec_hash", _SPEC_HASH_RE),
-            "software": _str(d, "software", max_len=32),
-        }
-        if out["stage"] >= MAX_STAGES:
-            raise RecordError(f"field 'stage'={out['stage']} is not below {MAX_STAGES}")
-        if out["state"] not in PEER_STATES:
-            raise RecordError(f"field 'state'={out['state']!r:.40} is not one of {PEER_STATES}")
-        codecs = d.get("codecs")
-        if (
-            not isinstance(codecs, list)
-            or len(codecs) > _MAX_CODECS
-            or not all(isinstance(c, str) and 0 < len(c) <= 64 for c in codecs)
-        ):
-            raise RecordError(f"field 'codecs'={codecs!r:.80} must be a list of at most 16 short strings")
-        out["codecs"] = tuple(codecs)
-        return out
+    state: PeerState = _rule(choice(PEER_STATES))
+    # tokens/s of forward+backward on this stage, as measured by the peer
+    throughput: float = _rule(_RATE)
+    queue: int = _rule(count())  # requests waiting in the peer's compute queue
+    version: int = _rule(count())  # local weight version (optimizer steps taken on this stage)
+    codecs: tuple[str, ...] = _rule(  # codec names this peer can decode
+        items(text(max_len=64), 0, _MAX_CODECS, f"a list of at most {_MAX_CODECS} short strings")
+    )
+    spec_hash: str = _rule(_SPEC_HASH)  # RunSpec.spec_hash the peer runs with
+    software: str = _rule(_SOFTWARE, default=__version__)  # swarm.version.__version__ of the peer
 
     @classmethod
     def from_wire(
@@ -367,7 +300,7 @@ class PeerRecord:
         hash (when ``spec_hash`` is given), or if ``subkey`` is not signed by the key of the claimed
         ``peer_id`` (a forged record).
         """
-        fields = cls._validate(value)  # type: ignore[arg-type]
+        fields = cls.parse_wire(value)
         if fields["run_id"] != run_id or fields["stage"] != stage:
             raise RecordError(
                 f"record of run {fields['run_id']!r} stage {fields['stage']} found under run {run_id!r} stage {stage}"
@@ -381,47 +314,25 @@ class PeerRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunEntry:
+class RunEntry(WireRecord):
     """One run in the registry of a swarm (what ``swarm runs`` lists)."""
 
-    run_id: str
-    spec_hash: str
-    num_stages: int
-    n_params: int  # parameters of the whole model (RunSpec.n_params())
-    n_layers: int
-    d_model: int
-    peers: int  # active stage peers the publisher saw when it last refreshed the entry
-    owner: str  # peer id of the node that publishes the entry (the run's bootstrap)
-    software: str = __version__
+    KIND: ClassVar[str] = "run entry"
 
-    def __post_init__(self) -> None:
-        RunEntry._validate(self.to_wire())
-
-    def to_wire(self) -> dict:
-        return {"v": RECORD_VERSION, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
-
-    @staticmethod
-    def _validate(d: object) -> dict:
-        d = _wire_dict(d, "run entry")
-        out = {
-            "run_id": _str(d, "run_id", _RUN_ID_RE),
-            "spec_hash": _str(d, "spec_hash", _SPEC_HASH_RE),
-            "num_stages": _count(d, "num_stages"),
-            "n_params": _count(d, "n_params"),
-            "n_layers": _count(d, "n_layers"),
-            "d_model": _count(d, "d_model"),
-            "peers": _count(d, "peers"),
-            "owner": _str(d, "owner", _PEER_ID_RE),
-            "software": _str(d, "software", max_len=32),
-        }
-        if not 1 <= out["num_stages"] <= MAX_STAGES:
-            raise RecordError(f"field 'num_stages'={out['num_stages']} must be in 1..{MAX_STAGES}")
-        return out
+    run_id: str = _rule(_RUN_ID)
+    spec_hash: str = _rule(_SPEC_HASH)
+    num_stages: int = _rule(count(1, MAX_STAGES))
+    n_params: int = _rule(count())  # parameters of the whole model (RunSpec.n_params())
+    n_layers: int = _rule(count())
+    d_model: int = _rule(count())
+    peers: int = _rule(count())  # active stage peers the publisher saw when it last refreshed the entry
+    owner: str = _rule(_PEER_ID)  # peer id of the node that publishes the entry (the run's bootstrap)
+    software: str = _rule(_SOFTWARE, default=__version__)
 
     @classmethod
     def from_wire(cls, value: object, *, subkey: object) -> RunEntry:
         """Validate a registry value; its subkey must be ``labelled_subkey(run_id, owner marker)``."""
-        fields = cls._validate(value)
+        fields = cls.parse_wire(value)
         if subkey_label(subkey) != fields["run_id"]:  # type: ignore[arg-type]
             raise RecordError(
                 f"registry entry of run {fields['run_id']!r} is filed under another run's subkey"
@@ -435,51 +346,27 @@ class RunEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ProgressRecord:
+class ProgressRecord(WireRecord):
     """Training progress one trainer reports for a run (summed by ``Membership.progress``)."""
 
-    trainer_id: str
-    run_id: str
-    spec_hash: str
-    tokens: int  # tokens whose gradients reached every stage, since the trainer started
-    steps: int  # micro-batches applied, since the trainer started
-    loss: float | None  # last loss the trainer saw, None before the first one
-    tokens_per_s: float  # the trainer's recent rate
-    software: str = __version__
+    KIND: ClassVar[str] = "progress record"
 
-    def __post_init__(self) -> None:
-        for name in ("loss", "tokens_per_s"):
-            value = getattr(self, name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                object.__setattr__(self, name, float(value))
-        ProgressRecord._validate(self.to_wire())
-
-    def to_wire(self) -> dict:
-        return {"v": RECORD_VERSION, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
-
-    @staticmethod
-    def _validate(d: object) -> dict:
-        d = _wire_dict(d, "progress record")
-        loss = d.get("loss")
-        if loss is not None and (not isinstance(loss, float) or not math.isfinite(loss)):
-            raise RecordError(f"field 'loss'={loss!r:.40} must be a finite float or None")
-        return {
-            "trainer_id": _str(d, "trainer_id", _LABEL_RE),
-            "run_id": _str(d, "run_id", _RUN_ID_RE),
-            "spec_hash": _str(d, "spec_hash", _SPEC_HASH_RE),
-            "tokens": _count(d, "tokens"),
-            "steps": _count(d, "steps"),
-            "loss": loss,
-            "tokens_per_s": _rate(d, "tokens_per_s"),
-            "software": _str(d, "software", max_len=32),
-        }
+    trainer_id: str = _rule(text(_LABEL_RE))
+    run_id: str = _rule(_RUN_ID)
+    spec_hash: str = _rule(_SPEC_HASH)
+    tokens: int = _rule(count())  # tokens whose gradients reached every stage, since the trainer started
+    steps: int = _rule(count())  # micro-batches applied, since the trainer started
+    # last loss the trainer saw, None before the first one
+    loss: float | None = _rule(real(None, None, "a finite float or None", nullable=True))
+    tokens_per_s: float = _rule(_RATE)  # the trainer's recent rate
+    software: str = _rule(_SOFTWARE, default=__version__)
 
     @classmethod
     def from_wire(
         cls, value: object, *, subkey: object, run_id: str, spec_hash: str | None = None
     ) -> ProgressRecord:
         """Validate a progress value; its subkey must be ``labelled_subkey(trainer_id, owner marker)``."""
-        fields = cls._validate(value)
+        fields = cls.parse_wire(value)
         if fields["run_id"] != run_id:
             raise RecordError(f"progress of run {fields['run_id']!r} found under run {run_id!r}")
         if spec_hash is not None and fields["spec_hash"] != spec_hash:
@@ -489,95 +376,38 @@ class ProgressRecord:
         return cls(**fields)
 
 
-_MAX_TIME = 1e11  # wall-clock seconds (year ~5138): anything above is garbage
-
-
-def _time(d: dict, name: str) -> float:
-    value = d.get(name)
-    if not isinstance(value, float) or not math.isfinite(value) or not 0.0 <= value <= _MAX_TIME:
-        raise RecordError(f"field {name!r}={value!r:.40} must be a finite float of wall-clock seconds")
-    return value
-
-
-def _version_list(d: dict, name: str, n: int | None) -> tuple[int, ...]:
-    """A list of per-stage versions, -1 = none."""
-    value = d.get(name)
-    if (
-        not isinstance(value, list)
-        or not 0 < len(value) <= MAX_STAGES
-        or (n is not None and len(value) != n)
-        or not all(isinstance(v, int) and not isinstance(v, bool) and -1 <= v <= _MAX_COUNT for v in value)
-    ):
-        want = f"{n}" if n is not None else f"1..{MAX_STAGES}"
-        raise RecordError(f"field {name!r}={value!r:.60} must be a list of {want} integers >= -1")
-    return tuple(value)
-
-
 @dataclass(frozen=True, kw_only=True)
-class SnapshotIndex:
+class SnapshotIndex(WireRecord):
     """What one keeper holds: per stage, the version of its newest snapshot (-1: none), when it was
     taken, and the highest version it saw the stage's live peers announce (-1: none seen)."""
 
-    keeper_id: str  # peer id of the keeper (must sign the subkey)
-    run_id: str
-    spec_hash: str
-    versions: tuple[int, ...]
-    taken_at: tuple[float, ...]  # wall-clock seconds, 0.0 where there is no snapshot
-    seen: tuple[int, ...]
-    interval_s: float  # how often the keeper takes snapshots
-    software: str = __version__
+    KIND: ClassVar[str] = "snapshot index"
 
-    def __post_init__(self) -> None:
-        for name in ("versions", "taken_at", "seen"):
-            value = getattr(self, name)
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
-        object.__setattr__(self, "taken_at", tuple(float(t) for t in self.taken_at))
-        if isinstance(self.interval_s, int) and not isinstance(self.interval_s, bool):
-            object.__setattr__(self, "interval_s", float(self.interval_s))
-        SnapshotIndex._validate(self.to_wire())
+    keeper_id: str = _rule(_PEER_ID)  # peer id of the keeper (must sign the subkey)
+    run_id: str = _rule(_RUN_ID)
+    spec_hash: str = _rule(_SPEC_HASH)
+    versions: tuple[int, ...] = _rule(_VERSIONS)
+    # wall-clock seconds, 0.0 where there is no snapshot
+    taken_at: tuple[float, ...] = _rule(items(_TIME, 1, MAX_STAGES, "a list of wall-clock floats"))
+    seen: tuple[int, ...] = _rule(_VERSIONS)
+    interval_s: float = _rule(_RATE)  # how often the keeper takes snapshots
+    software: str = _rule(_SOFTWARE, default=__version__)
 
-    def to_wire(self) -> dict:
-        return {
-            "v": RECORD_VERSION,
-            "keeper_id": self.keeper_id,
-            "run_id": self.run_id,
-            "spec_hash": self.spec_hash,
-            "versions": list(self.versions),
-            "taken_at": list(self.taken_at),
-            "seen": list(self.seen),
-            "interval_s": self.interval_s,
-            "software": self.software,
-        }
-
-    @staticmethod
-    def _validate(d: object) -> dict:
-        d = _wire_dict(d, "snapshot index")
-        versions = _version_list(d, "versions", None)
-        taken = d.get("taken_at")
-        if (
-            not isinstance(taken, list)
-            or len(taken) != len(versions)
-            or not all(isinstance(t, float) and math.isfinite(t) and 0.0 <= t <= _MAX_TIME for t in taken)
-        ):
-            raise RecordError(f"field 'taken_at'={taken!r:.60} must be {len(versions)} wall-clock floats")
-        return {
-            "keeper_id": _str(d, "keeper_id", _PEER_ID_RE),
-            "run_id": _str(d, "run_id", _RUN_ID_RE),
-            "spec_hash": _str(d, "spec_hash", _SPEC_HASH_RE),
-            "versions": versions,
-            "taken_at": tuple(taken),
-            "seen": _version_list(d, "seen", len(versions)),
-            "interval_s": _rate(d, "interval_s"),
-            "software": _str(d, "software", max_len=32),
-        }
+    @classmethod
+    def cross_check(cls, fields: dict[str, Any]) -> None:
+        n = len(fields["versions"])
+        for name in ("taken_at", "seen"):
+            if len(fields[name]) != n:
+                raise RecordError(
+                    f"{name!r} has {len(fields[name])} entries, 'versions' has {n}: one per stage"
+                )
 
     @classmethod
     def from_wire(
         cls, value: object, *, subkey: object, run_id: str, spec_hash: str | None = None
     ) -> SnapshotIndex:
         """Validate an index read from ``snapshots_key(run_id)``; the subkey must be the keeper's marker."""
-        fields = cls._validate(value)
+        fields = cls.parse_wire(value)
         if fields["run_id"] != run_id:
             raise RecordError(f"snapshot index of run {fields['run_id']!r} found under run {run_id!r}")
         if spec_hash is not None and fields["spec_hash"] != spec_hash:
@@ -595,25 +425,22 @@ EVENT_SOURCES = ("keeper", "checkpoint", "seed")
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageEvent:
+class StageEvent(WireRecord):
     """A stage lost its live state: a peer restored it from a snapshot or checkpoint (``rollback``) or
     started it from initial weights (``fresh``, only with ``--start-fresh``) in a run that had trained."""
 
-    peer_id: str  # the peer that started the stage (signs the subkey)
-    run_id: str
-    spec_hash: str
-    stage: int
-    kind: str  # one of EVENT_KINDS
-    source: str  # one of EVENT_SOURCES: where the stage's state came from
-    version: int  # the version the stage continues from
-    lost_from: int  # the highest version the stage was last seen at (-1: unknown)
-    at: float  # wall-clock seconds when it happened
-    software: str = __version__
+    KIND: ClassVar[str] = "stage event"
 
-    def __post_init__(self) -> None:
-        if isinstance(self.at, int) and not isinstance(self.at, bool):
-            object.__setattr__(self, "at", float(self.at))
-        StageEvent._validate(self.to_wire())
+    peer_id: str = _rule(_PEER_ID)  # the peer that started the stage (signs the subkey)
+    run_id: str = _rule(_RUN_ID)
+    spec_hash: str = _rule(_SPEC_HASH)
+    stage: int = _rule(_STAGE)
+    kind: str = _rule(choice(EVENT_KINDS))
+    source: str = _rule(choice(EVENT_SOURCES))  # where the stage's state came from
+    version: int = _rule(count())  # the version the stage continues from
+    lost_from: int = _rule(count(-1))  # the highest version the stage was last seen at (-1: unknown)
+    at: float = _rule(_TIME)  # wall-clock seconds when it happened
+    software: str = _rule(_SOFTWARE, default=__version__)
 
     @property
     def event_id(self) -> str:
@@ -641,41 +468,12 @@ class StageEvent:
             f"{self.version}{seen}{lost_text}"
         )
 
-    def to_wire(self) -> dict:
-        return {"v": RECORD_VERSION, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
-
-    @staticmethod
-    def _validate(d: object) -> dict:
-        d = _wire_dict(d, "stage event")
-        out = {
-            "peer_id": _str(d, "peer_id", _PEER_ID_RE),
-            "run_id": _str(d, "run_id", _RUN_ID_RE),
-            "spec_hash": _str(d, "spec_hash", _SPEC_HASH_RE),
-            "stage": _count(d, "stage"),
-            "kind": _str(d, "kind"),
-            "source": _str(d, "source"),
-            "version": _count(d, "version"),
-            "at": _time(d, "at"),
-            "software": _str(d, "software", max_len=32),
-        }
-        lost = d.get("lost_from")
-        if not isinstance(lost, int) or isinstance(lost, bool) or not -1 <= lost <= _MAX_COUNT:
-            raise RecordError(f"field 'lost_from'={lost!r:.40} must be an integer >= -1")
-        out["lost_from"] = lost
-        if out["stage"] >= MAX_STAGES:
-            raise RecordError(f"field 'stage'={out['stage']} is not below {MAX_STAGES}")
-        if out["kind"] not in EVENT_KINDS:
-            raise RecordError(f"field 'kind'={out['kind']!r:.40} is not one of {EVENT_KINDS}")
-        if out["source"] not in EVENT_SOURCES:
-            raise RecordError(f"field 'source'={out['source']!r:.40} is not one of {EVENT_SOURCES}")
-        return out
-
     @classmethod
     def from_wire(
         cls, value: object, *, subkey: object, run_id: str, spec_hash: str | None = None
     ) -> StageEvent:
         """Validate an event from ``events_key(run_id)``; its subkey is ``labelled_subkey(event_id, marker)``."""
-        fields = cls._validate(value)
+        fields = cls.parse_wire(value)
         if fields["run_id"] != run_id:
             raise RecordError(f"event of run {fields['run_id']!r} found under run {run_id!r}")
         if spec_hash is not None and fields["spec_hash"] != spec_hash:
@@ -695,45 +493,31 @@ def spec_hash_of(canonical: bytes) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpecRecord:
+class SpecRecord(WireRecord):
     """The run spec as published: canonical JSON bytes plus their hash, signed by the run owner."""
 
-    run_id: str
-    spec_hash: str
-    canonical: bytes = field(repr=False)  # RunSpec.canonical_bytes()
+    KIND: ClassVar[str] = "spec record"
 
-    def __post_init__(self) -> None:
-        SpecRecord._validate(self.to_wire())
+    run_id: str = _rule(_RUN_ID)
+    spec_hash: str = _rule(_SPEC_HASH)
+    canonical: bytes = field(  # RunSpec.canonical_bytes()
+        repr=False,
+        metadata={
+            "rule": blob(MAX_SPEC_BYTES, f"1..{MAX_SPEC_BYTES} bytes of canonical JSON"),
+            "wire_name": "spec",
+        },
+    )
 
-    def to_wire(self) -> dict:
-        return {
-            "v": RECORD_VERSION,
-            "run_id": self.run_id,
-            "spec_hash": self.spec_hash,
-            "spec": self.canonical,
-        }
-
-    @staticmethod
-    def _validate(d: object) -> dict:
-        d = _wire_dict(d, "spec record")
-        canonical = d.get("spec")
-        if not isinstance(canonical, bytes) or not 0 < len(canonical) <= MAX_SPEC_BYTES:
-            size = len(canonical) if isinstance(canonical, bytes) else type(canonical).__name__
-            raise RecordError(f"field 'spec' ({size}) must be 1..{MAX_SPEC_BYTES} bytes of canonical JSON")
-        out = {
-            "run_id": _str(d, "run_id", _RUN_ID_RE),
-            "spec_hash": _str(d, "spec_hash", _SPEC_HASH_RE),
-            "canonical": canonical,
-        }
-        actual = spec_hash_of(canonical)
-        if actual != out["spec_hash"]:
-            raise RecordError(f"spec bytes hash to {actual}, the record claims {out['spec_hash']}")
-        return out
+    @classmethod
+    def cross_check(cls, fields: dict[str, Any]) -> None:
+        actual = spec_hash_of(fields["canonical"])
+        if actual != fields["spec_hash"]:
+            raise RecordError(f"spec bytes hash to {actual}, the record claims {fields['spec_hash']}")
 
     @classmethod
     def from_wire(cls, value: object, *, subkey: object, run_id: str) -> SpecRecord:
         """Validate a spec value (content hash included); the subkey must be an owner marker."""
-        fields = cls._validate(value)
+        fields = cls.parse_wire(value)
         if fields["run_id"] != run_id:
             raise RecordError(f"spec of run {fields['run_id']!r} found under run {run_id!r}")
         if owner_marker_in(subkey) != subkey:
@@ -742,69 +526,8 @@ class SpecRecord:
 
 
 # ------------------------------------------------------------------ DHT-level schemas (pydantic v1)
-# hivemind.dht.schema.SchemaValidator checks each stored (key, subkey, value) against these; it
-# forbids type conversions, so numbers use strict types. ``Extra.allow`` on the value models keeps
-# newer peers' extra fields valid (the validator compares the parsed dict with the raw one).
-
-
-class _Value(pydantic.BaseModel):
-    v: pydantic.StrictInt
-
-    class Config:
-        extra = pydantic.Extra.allow
-
-
-class PeerRecordSchema(_Value):
-    peer_id: pydantic.StrictStr
-    run_id: pydantic.StrictStr
-    stage: pydantic.conint(strict=True, ge=0, lt=MAX_STAGES)
-    state: pydantic.StrictStr
-    throughput: pydantic.confloat(strict=True, ge=0.0, le=_MAX_THROUGHPUT)
-    queue: pydantic.conint(strict=True, ge=0)
-    version: pydantic.conint(strict=True, ge=0)
-    codecs: list[pydantic.StrictStr]
-    spec_hash: pydantic.StrictStr
-    software: pydantic.StrictStr
-
-
-class RunEntrySchema(_Value):
-    run_id: pydantic.StrictStr
-    spec_hash: pydantic.StrictStr
-    num_stages: pydantic.conint(strict=True, ge=1, le=MAX_STAGES)
-    peers: pydantic.conint(strict=True, ge=0)
-
-
-class ProgressSchema(_Value):
-    trainer_id: pydantic.StrictStr
-    run_id: pydantic.StrictStr
-    tokens: pydantic.conint(strict=True, ge=0)
-    steps: pydantic.conint(strict=True, ge=0)
-    loss: pydantic.StrictFloat | None
-    tokens_per_s: pydantic.confloat(strict=True, ge=0.0)
-
-
-class SnapshotIndexSchema(_Value):
-    keeper_id: pydantic.StrictStr
-    run_id: pydantic.StrictStr
-    versions: list[pydantic.StrictInt]
-    taken_at: list[pydantic.StrictFloat]
-    seen: list[pydantic.StrictInt]
-
-
-class StageEventSchema(_Value):
-    peer_id: pydantic.StrictStr
-    run_id: pydantic.StrictStr
-    stage: pydantic.conint(strict=True, ge=0, lt=MAX_STAGES)
-    kind: pydantic.StrictStr
-    version: pydantic.conint(strict=True, ge=0)
-    lost_from: pydantic.conint(strict=True, ge=-1)
-    at: pydantic.StrictFloat
-
-
-class SpecSchema(_Value):
-    run_id: pydantic.StrictStr
-    spec_hash: pydantic.StrictStr
-    spec: pydantic.conbytes(strict=True, min_length=1, max_length=MAX_SPEC_BYTES)
+# hivemind.dht.schema.SchemaValidator checks each stored (key, subkey, value) against these. The value
+# models come from the record declarations above (``WireRecord.v1_schema``); only the keys are here.
 
 
 class _OwnerBytes(pydantic.ConstrainedBytes):
@@ -832,20 +555,26 @@ class _KeysConfig:
     extra = pydantic.Extra.forbid
 
 
+def _signed(record: type[WireRecord]) -> tuple[object, None]:
+    """An optional key field: a dict from signed subkeys to values of ``record``."""
+    return (dict[_OwnerBytes, record.v1_schema()] | None, None)
+
+
 # Keys of the DHT schema are ``<prefix>_<field>``: see ``run_prefix`` and the module docstring.
 RegistryKeysSchema = pydantic.create_model(
     "RegistryKeysSchema",
     __module__=__name__,
     __config__=_KeysConfig,
-    **{REGISTRY_FIELD: (dict[_OwnerBytes, RunEntrySchema] | None, None)},
+    **{REGISTRY_FIELD: _signed(RunEntry)},
 )
+_PEER_RECORDS = _signed(PeerRecord)
 RunKeysSchema = pydantic.create_model(
     "RunKeysSchema",
     __module__=__name__,
     __config__=_KeysConfig,
-    spec=(dict[_OwnerBytes, SpecSchema] | None, None),
-    progress=(dict[_OwnerBytes, ProgressSchema] | None, None),
-    snapshots=(dict[_OwnerBytes, SnapshotIndexSchema] | None, None),
-    events=(dict[_OwnerBytes, StageEventSchema] | None, None),
-    **{f"stage_{i}": (dict[_OwnerBytes, PeerRecordSchema] | None, None) for i in range(MAX_STAGES)},
+    spec=_signed(SpecRecord),
+    progress=_signed(ProgressRecord),
+    snapshots=_signed(SnapshotIndex),
+    events=_signed(StageEvent),
+    **{f"stage_{i}": _PEER_RECORDS for i in range(MAX_STAGES)},
 )
