@@ -7,12 +7,12 @@ comes from the run spec in the DHT, never from here.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from swarm.errors import ConfigError
+from swarm.run.fields import check_fields, flag, integer, number, reject
 
 __all__ = ["PeerConfig", "resolve_device"]
 
@@ -23,21 +23,20 @@ def _tuple(value: object, name: str) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{name}={value!r} must be a list of multiaddr strings")
+        raise reject(
+            name, value, "it must be a list of multiaddr strings", "Give e.g. /ip4/1.2.3.4/tcp/31337."
+        )
     return tuple(value)
 
 
-def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        rule = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name}={value!r} must be a finite number {rule}")
-    return float(value)
+_SECONDS = "Give a number of seconds."
 
 
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
-    """How one stage peer joins and serves. Checked in ``__post_init__`` (raises ``ConfigError``)."""
+    """How one stage peer joins and serves. Checked in ``__post_init__`` (raises ``ConfigError``): the
+    rules of most fields are declared with them (``swarm/run/fields.py``), and ``swarm peer``'s flags,
+    defaults and help come from here (``swarm/cli/flags.py``)."""
 
     initial_peers: tuple[str, ...]
     """Multiaddrs (with /p2p/) of peers already in the swarm, e.g. what `swarm init` printed."""
@@ -55,55 +54,59 @@ class PeerConfig:
     """RSA identity file for a stable peer id (created if missing); None = new id each start."""
     checkpoint_dir: str | None = None
     """Save state here periodically and on exit, and resume from it; None = no checkpoints."""
-    public: bool = False
+    public: bool = flag(False)
     """Listen on all interfaces (``/ip4/0.0.0.0/tcp/0``) instead of loopback."""
-    announce_period_s: float = 5.0
+    announce_period_s: float = number(5.0, gt=0.0, hint=_SECONDS)
     """Seconds between announcements and rebalancing checks (jittered by +-20 %). Records expire
     after 3 periods, so a crashed peer disappears from routing within ~15 s by default."""
     rebalance: bool | None = None
     """Move to another stage when placement says so; None = only when ``stage == "auto"``."""
-    rebalance_margin: float = 0.2
+    rebalance_margin: float = number(0.2, ge=0.0, hint="Use a fraction such as 0.2.")
     """Relative improvement of the swarm's bottleneck a move must bring (see swarm/dht/placement.py)."""
-    slowdown_s: float = 0.0
+    slowdown_s: float = number(0.0, ge=0.0, hint="Use 0 (no delay) or a few hundredths of a second.")
     """Artificial extra delay per micro-batch (seconds, added to every forward) to emulate a slow
     peer in straggler tests and demos; 0 = none. The announced throughput accounts for it."""
-    max_queue: int = 64
+    max_queue: int = integer(64, lo=1, hint="Use e.g. 64.")
     """Compute tasks queued at most; more are refused with "busy, queue full" (backpressure)."""
-    throughput: float | None = None
+    throughput: float | None = number(
+        None, gt=0.0, optional=True, hint="Declare tokens/s, or leave it out to measure."
+    )
     """Declared tokens/s instead of measuring (tests, demos, or a known figure); None = measure."""
     cache_dir: str | None = None
     """Where the throughput measurement is cached; None = ``~/.cache/swarmpipe``."""
-    spec_timeout_s: float = 30.0
+    spec_timeout_s: float = number(30.0, gt=0.0, hint=_SECONDS)
     """How long to wait for the run spec in the DHT before giving up."""
-    request_timeout_s: float = 30.0
+    request_timeout_s: float = number(30.0, gt=0.0, hint=_SECONDS)
     """Timeout of one call to the next hop (or a report to the trainer); raise on slow links."""
-    state_timeout_s: float = 30.0
+    state_timeout_s: float = number(30.0, gt=0.0, hint=_SECONDS)
     """How long a state download from a same-stage peer may take."""
-    checkpoint_period_s: float = 300.0
+    checkpoint_period_s: float = number(300.0, gt=0.0, hint=_SECONDS)
     """Seconds between periodic checkpoints (with ``checkpoint_dir``)."""
-    averaging_matchmaking_s: float = 1.0
+    averaging_matchmaking_s: float = number(1.0, gt=0.0, hint=_SECONDS)
     """Seconds a gradient round's leader waits for the stage's other replicas before it gives up on a
     full group and tries again (hivemind min_matchmaking_time; a full group starts at once)."""
-    max_failed_rounds: int = 3
+    max_failed_rounds: int = integer(3, lo=1, hint="Use e.g. 3.")
     """Gradient rounds that may fail in a row before a replica steps alone (the stage's other replicas
     then catch up by downloading its state). Raise it on slow links if ``solo_steps`` grows."""
-    drain_timeout_s: float = 10.0
+    drain_timeout_s: float = number(10.0, gt=0.0, hint=_SECONDS)
     """On leaving a stage or shutting down: how long to wait for in-flight micro-batches to finish."""
     max_payload_bytes: int = 256 << 20
     """Largest activation/gradient message this peer accepts (bytes)."""
     secret: bytes | None = field(default=None, repr=False)
     """The join secret of a private run (``swarm.dht.auth.load_secret``); None for public runs. A private
     run refuses to start without the right one."""
-    max_queue_per_sender: int | None = None
+    max_queue_per_sender: int | None = integer(
+        None, lo=1, optional=True, hint="Leave it out for 3/4 of max_queue."
+    )
     """Compute tasks one sender may have queued here; None = three quarters of ``max_queue``, so a
     flood from one peer leaves room for the others."""
-    penalty_s: float = 30.0
+    penalty_s: float = number(30.0, gt=0.0, hint=_SECONDS)
     """Seconds a sender is ignored after sending non-finite or absurd gradients."""
-    max_grad_rms: float = 1e4
+    max_grad_rms: float = number(1e4, gt=0.0, hint="Use e.g. 1e4.")
     """A backward payload whose root-mean-square exceeds this is refused as absurd (and penalized)."""
-    max_activation_rms: float = 1e6
+    max_activation_rms: float = number(1e6, gt=0.0, hint="Use e.g. 1e6.")
     """A forward payload whose root-mean-square exceeds this is refused as absurd."""
-    start_fresh: bool = False
+    start_fresh: bool = flag(False)
     """Start a stage from its initial weights even though the run has trained and no live replica,
     keeper snapshot or checkpoint of the stage can be loaded (otherwise the peer refuses to start:
     ``swarm.dht.snapshots.StageStateLost``). The event is published for trainers and monitors."""
@@ -128,41 +131,13 @@ class PeerConfig:
         if stage != "auto" and (isinstance(stage, bool) or not isinstance(stage, int) or stage < 0):
             raise ConfigError(f"stage={stage!r} must be 'auto' or a stage number >= 0")
         resolve_device(self.device)  # validates the spelling; CUDA presence is checked at start
-        for name in (
-            "announce_period_s",
-            "spec_timeout_s",
-            "request_timeout_s",
-            "state_timeout_s",
-            "checkpoint_period_s",
-            "averaging_matchmaking_s",
-            "drain_timeout_s",
-        ):
-            set_(self, name, _positive(name, getattr(self, name)))
-        set_(self, "slowdown_s", _positive("slowdown_s", self.slowdown_s, allow_zero=True))
-        set_(self, "rebalance_margin", _positive("rebalance_margin", self.rebalance_margin, allow_zero=True))
-        if self.throughput is not None:
-            set_(self, "throughput", _positive("throughput", self.throughput))
-        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
-            raise ConfigError(f"max_queue={self.max_queue!r} must be an integer >= 1")
-        if (
-            isinstance(self.max_failed_rounds, bool)
-            or not isinstance(self.max_failed_rounds, int)
-            or self.max_failed_rounds < 1
-        ):
-            raise ConfigError(f"max_failed_rounds={self.max_failed_rounds!r} must be an integer >= 1, e.g. 3")
-        for name in ("penalty_s", "max_grad_rms", "max_activation_rms"):
-            set_(self, name, _positive(name, getattr(self, name)))
-        per_sender = self.max_queue_per_sender
-        if per_sender is None:
+        check_fields(self)
+        if self.max_queue_per_sender is None:
             set_(self, "max_queue_per_sender", max(1, (3 * self.max_queue) // 4))
-        elif isinstance(per_sender, bool) or not isinstance(per_sender, int) or per_sender < 1:
-            raise ConfigError(f"max_queue_per_sender={per_sender!r} must be an integer >= 1 (or None)")
         if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) != 32):
             raise ConfigError(
                 "secret must be the 32 bytes of a join secret (swarm.dht.auth.load_secret reads it)"
             )
-        if not isinstance(self.start_fresh, bool):
-            raise ConfigError(f"start_fresh={self.start_fresh!r} must be True or False")
         if self.checkpoint_dir is not None:
             set_(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         if self.weights_dir is not None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from swarm.errors import ConfigError
+from swarm.run.fields import check_fields, check_float, check_int, flag, integer, number, one_of, reject
 
 __all__ = [
     "RunSpec",
@@ -92,77 +93,15 @@ MODES = ("async", "sync")
 AUTOCAST_CHOICES = ("auto", "none", "bf16", "fp16")
 
 
-# ---------------------------------------------------------------------------------------------
-# Validation helpers: every rejection goes through `_reject`, so messages share one shape.
-# ---------------------------------------------------------------------------------------------
-
-
-def _reject(path: str, value: Any, rule: str, next_step: str) -> ConfigError:
-    """Build the error for one rejected value: ``<path> = <value> is invalid: <rule>. <next step>``."""
-    shown = repr(value)
-    if len(shown) > 120:
-        shown = shown[:117] + "..."
-    return ConfigError(f"{path} = {shown} is invalid: {rule}. {next_step}")
-
-
-def _check_int(path: str, value: Any, *, lo: int | None = None, hi: int | None = None, hint: str) -> int:
-    """An int (bools are rejected: `True` as a layer count is always a mistake) within [lo, hi]."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _reject(path, value, f"it must be an integer, not {type(value).__name__}", hint)
-    if lo is not None and value < lo:
-        raise _reject(path, value, f"it must be >= {lo}", hint)
-    if hi is not None and value > hi:
-        raise _reject(path, value, f"it must be <= {hi}", hint)
-    return value
-
-
-def _check_float(
-    path: str,
-    value: Any,
-    *,
-    gt: float | None = None,
-    ge: float | None = None,
-    lt: float | None = None,
-    le: float | None = None,
-    hint: str,
-) -> float:
-    """A finite real number within the given bounds, returned as ``float`` (so 1 and 1.0 hash alike)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _reject(path, value, f"it must be a number, not {type(value).__name__}", hint)
-    value = float(value)
-    if not math.isfinite(value):
-        raise _reject(path, value, "it must be a finite number", hint)
-    if gt is not None and not value > gt:
-        raise _reject(path, value, f"it must be > {gt}", hint)
-    if ge is not None and not value >= ge:
-        raise _reject(path, value, f"it must be >= {ge}", hint)
-    if lt is not None and not value < lt:
-        raise _reject(path, value, f"it must be < {lt}", hint)
-    if le is not None and not value <= le:
-        raise _reject(path, value, f"it must be <= {le}", hint)
-    return value
-
-
-def _check_choice(path: str, value: Any, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise _reject(
-            path, value, f"it must be one of {', '.join(choices)}", f"Set {path} to one of those values."
-        )
-    return value
-
-
-def _check_bool(path: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _reject(path, value, "it must be true or false", f"Set {path} to true or false.")
-    return value
-
-
 # Field metadata key: a field whose value is None is left out of ``to_dict`` (and so of the canonical
 # bytes and the hash). Used for options added after runs existed, so that a spec that does not use
 # the option keeps the hash it had before the option was added.
 _OMIT_IF_NONE = "omit_if_none"
 # Same for a field whose value equals its default (a flag added later, e.g. ``model.tie_embeddings``).
 _OMIT_IF_DEFAULT = "omit_if_default"
+
+
+_OMIT_NONE = {_OMIT_IF_NONE: True}
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -185,7 +124,7 @@ def split_layers(n_layers: int, n_stages: int) -> tuple[tuple[int, int], ...]:
     Earlier stages get the extra layers (8 layers in 3 stages: 3, 3, 2): the last stage also holds
     the LM head, which is the heaviest single matmul for large vocabularies.
     """
-    _check_int("stages", n_stages, lo=1, hi=max(1, n_layers), hint=_stages_hint(n_layers))
+    check_int("stages", n_stages, lo=1, hi=max(1, n_layers), hint=_stages_hint(n_layers))
     base, extra = divmod(n_layers, n_stages)
     ranges, start = [], 0
     for i in range(n_stages):
@@ -200,6 +139,9 @@ def split_layers(n_layers: int, n_stages: int) -> tuple[tuple[int, int], ...]:
 # ---------------------------------------------------------------------------------------------
 
 
+_SUBSPACE_HINT = "Give model.subspace.rank (numbers per token, e.g. 16) or model.subspace.ratio (e.g. 32 for k = d_model / 32)."
+
+
 @dataclass(frozen=True, kw_only=True)
 class SubspaceConfig:
     """Subspace-constrained model ("Protocol Models", arXiv 2506.01260): see swarm/run/subspace.py.
@@ -211,25 +153,22 @@ class SubspaceConfig:
 
     _SECTION: ClassVar[str] = "model.subspace"
 
-    rank: int | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    rank: int | None = integer(
+        None, lo=1, hi=MAX_D_MODEL, hint=_SUBSPACE_HINT, optional=True, metadata=_OMIT_NONE
+    )
     """k, the subspace dimension: numbers sent per token at a boundary (1 <= k <= model.d_model)."""
-    ratio: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    ratio: float | None = number(None, ge=1.0, hint=_SUBSPACE_HINT, optional=True, metadata=_OMIT_NONE)
     """Alternative to rank: k = floor(model.d_model / ratio), e.g. ratio 32 sends 1/32 of the width."""
 
     def __post_init__(self) -> None:
-        s = self._SECTION
-        hint = f"Give {s}.rank (numbers per token, e.g. 16) or {s}.ratio (e.g. 32 for k = d_model / 32)."
         if (self.rank is None) == (self.ratio is None):
-            raise _reject(
-                s,
+            raise reject(
+                self._SECTION,
                 {"rank": self.rank, "ratio": self.ratio},
                 "exactly one of rank and ratio must be given",
-                hint + " To train without the constraint, leave model.subspace out.",
+                _SUBSPACE_HINT + " To train without the constraint, leave model.subspace out.",
             )
-        if self.rank is not None:
-            _check_int(f"{s}.rank", self.rank, lo=1, hi=MAX_D_MODEL, hint=hint)
-        else:
-            _set(self, "ratio", _check_float(f"{s}.ratio", self.ratio, ge=1.0, hint=hint))
+        check_fields(self, self._SECTION)
 
     def resolve_rank(self, d_model: int) -> int:
         """The subspace dimension k for a residual stream of width ``d_model`` (not validated here)."""
@@ -241,6 +180,7 @@ class SubspaceConfig:
 
 
 ROPE_SCALINGS = ("linear", "llama3")
+_ROPE_HINT = "Copy the values from the checkpoint's config.json (rope_scaling / rope_parameters)."
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -255,44 +195,41 @@ class RopeScalingConfig:
 
     _SECTION: ClassVar[str] = "model.rope_scaling"
 
-    type: str
+    type: str = one_of(ROPE_SCALINGS)
     """``linear`` or ``llama3``."""
-    factor: float
+    factor: float = number(ge=1.0, le=1e6, hint=_ROPE_HINT)
     """How much longer the context is than the one the frequencies were trained for (>= 1)."""
-    low_freq_factor: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    low_freq_factor: float | None = number(
+        None, gt=0.0, le=1e6, hint=_ROPE_HINT, optional=True, metadata=_OMIT_NONE
+    )
     """llama3 only (Llama 3.1 uses 1)."""
-    high_freq_factor: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    high_freq_factor: float | None = number(
+        None, gt=0.0, le=1e6, hint=_ROPE_HINT, optional=True, metadata=_OMIT_NONE
+    )
     """llama3 only (Llama 3.1 uses 4); must exceed low_freq_factor."""
-    original_max_position_embeddings: int | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    original_max_position_embeddings: int | None = integer(
+        None, lo=1, hi=MAX_SEQ_LEN, hint=_ROPE_HINT, optional=True, metadata=_OMIT_NONE
+    )
     """llama3 only: the context length of the unscaled model (Llama 3.1 uses 8192)."""
 
     def __post_init__(self) -> None:
         s = self._SECTION
-        _check_choice(f"{s}.type", self.type, ROPE_SCALINGS)
-        hint = "Copy the values from the checkpoint's config.json (rope_scaling / rope_parameters)."
-        _set(self, "factor", _check_float(f"{s}.factor", self.factor, ge=1.0, le=1e6, hint=hint))
+        check_fields(self, s)
         extras = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         given = [name for name in extras if getattr(self, name) is not None]
         if self.type == "linear":
             if given:
-                raise _reject(f"{s}.{given[0]}", getattr(self, given[0]), "only llama3 scaling has it", hint)
+                raise reject(
+                    f"{s}.{given[0]}", getattr(self, given[0]), "only llama3 scaling has it", _ROPE_HINT
+                )
             return
         missing = [name for name in extras if getattr(self, name) is None]
         if missing:
-            raise _reject(f"{s}.{missing[0]}", None, "llama3 scaling needs it", hint)
-        for name in ("low_freq_factor", "high_freq_factor"):
-            _set(self, name, _check_float(f"{s}.{name}", getattr(self, name), gt=0.0, le=1e6, hint=hint))
+            raise reject(f"{s}.{missing[0]}", None, "llama3 scaling needs it", _ROPE_HINT)
         if not self.high_freq_factor > self.low_freq_factor:  # type: ignore[operator]
-            raise _reject(
-                f"{s}.high_freq_factor", self.high_freq_factor, "it must exceed low_freq_factor", hint
+            raise reject(
+                f"{s}.high_freq_factor", self.high_freq_factor, "it must exceed low_freq_factor", _ROPE_HINT
             )
-        _check_int(
-            f"{s}.original_max_position_embeddings",
-            self.original_max_position_embeddings,
-            lo=1,
-            hi=MAX_SEQ_LEN,
-            hint=hint,
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,21 +238,35 @@ class ModelConfig:
 
     _SECTION: ClassVar[str] = "model"
 
-    vocab_size: int
+    vocab_size: int = integer(
+        lo=2,
+        hi=MAX_VOCAB_SIZE,
+        hint=f"Use 256 for byte-level text, or your tokenizer's vocabulary size (<= {MAX_VOCAB_SIZE}).",
+    )
     """Number of token ids; 256 means raw bytes (no tokenizer needed)."""
-    d_model: int
+    d_model: int = integer(lo=1, hi=MAX_D_MODEL, hint="Pick a width such as 128, 512 or 1024.")
     """Width of the residual stream (C in the shape comments); must divide by n_heads."""
-    n_layers: int
+    n_layers: int = integer(
+        lo=1, hi=MAX_LAYERS, hint=f"Pick a number of transformer blocks between 1 and {MAX_LAYERS}."
+    )
     """Number of transformer blocks, split among the stages."""
-    n_heads: int
+    n_heads: int = integer(lo=1, hi=MAX_HEADS, hint="Pick a head count that divides d_model.")
     """Attention heads; head size d_model / n_heads must be even (RoPE rotates pairs)."""
-    seq_len: int
+    seq_len: int = integer(lo=1, hi=MAX_SEQ_LEN, hint="Pick the context length in tokens, e.g. 128 or 1024.")
     """Longest sequence (tokens) a micro-batch may hold; also the RoPE cache length."""
-    ffn_hidden: int | None = None
+    ffn_hidden: int | None = integer(
+        None,
+        lo=1,
+        hi=16 * MAX_D_MODEL,
+        optional=True,
+        hint="Give a positive SwiGLU hidden width, or leave ffn_hidden out for the default.",
+    )
     """SwiGLU hidden width; None = the multiple of 32 at or above 8/3 * d_model."""
-    rope_theta: float = 10000.0
+    rope_theta: float = number(
+        10000.0, gt=1.0, hint="Use 10000.0 (the usual RoPE base) unless you know you need another."
+    )
     """RoPE base; larger values stretch the lowest frequency for longer contexts."""
-    norm_eps: float = 1e-5
+    norm_eps: float = number(1e-5, gt=0.0, lt=1.0, hint="Use a small positive value such as 1e-5.")
     """RMSNorm epsilon; raise it (e.g. 1e-5 -> 1e-4) if bf16 runs show NaNs after a norm."""
     subspace: SubspaceConfig | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """Constrain the model so stage boundaries send k numbers per token (``{rank: k}`` or
@@ -327,91 +278,36 @@ class ModelConfig:
     """RoPE frequency scaling of long-context checkpoints (``{type: linear, factor}`` or Llama 3's
     ``{type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}``);
     None = plain RoPE."""
-    tie_embeddings: bool = field(default=False, metadata={_OMIT_IF_DEFAULT: True})
+    tie_embeddings: bool = flag(False, metadata={_OMIT_IF_DEFAULT: True})
     """The LM head starts as a copy of the token embedding (checkpoints with tied embeddings). The
     embedding lives on stage 0 and the head on the last stage, usually different peers, so the two
     copies train separately after that (an export writes them untied)."""
 
     def __post_init__(self) -> None:
         s = self._SECTION
-        _check_int(
-            f"{s}.vocab_size",
-            self.vocab_size,
-            lo=2,
-            hi=MAX_VOCAB_SIZE,
-            hint=f"Use 256 for byte-level text, or your tokenizer's vocabulary size (<= {MAX_VOCAB_SIZE}).",
-        )
-        _check_int(
-            f"{s}.d_model", self.d_model, lo=1, hi=MAX_D_MODEL, hint="Pick a width such as 128, 512 or 1024."
-        )
-        _check_int(
-            f"{s}.n_layers",
-            self.n_layers,
-            lo=1,
-            hi=MAX_LAYERS,
-            hint=f"Pick a number of transformer blocks between 1 and {MAX_LAYERS}.",
-        )
-        _check_int(
-            f"{s}.n_heads", self.n_heads, lo=1, hi=MAX_HEADS, hint="Pick a head count that divides d_model."
-        )
+        check_fields(self, s)
         if self.d_model % self.n_heads:
-            raise _reject(
+            raise reject(
                 f"{s}.n_heads",
                 self.n_heads,
                 f"it must divide model.d_model ({self.d_model})",
                 "Change n_heads or d_model so that d_model / n_heads is a whole, even number.",
             )
         if (self.d_model // self.n_heads) % 2:
-            raise _reject(
+            raise reject(
                 f"{s}.n_heads",
                 self.n_heads,
                 f"the head size d_model / n_heads = {self.d_model // self.n_heads} must be even for RoPE",
                 "Change n_heads or d_model so that the head size is even (e.g. 32 or 64).",
             )
-        _check_int(
-            f"{s}.seq_len",
-            self.seq_len,
-            lo=1,
-            hi=MAX_SEQ_LEN,
-            hint="Pick the context length in tokens, e.g. 128 or 1024.",
-        )
-        if self.ffn_hidden is not None:
-            _check_int(
-                f"{s}.ffn_hidden",
-                self.ffn_hidden,
-                lo=1,
-                hi=16 * MAX_D_MODEL,
-                hint="Give a positive SwiGLU hidden width, or leave ffn_hidden out for the default.",
-            )
-        _set(
-            self,
-            "rope_theta",
-            _check_float(
-                f"{s}.rope_theta",
-                self.rope_theta,
-                gt=1.0,
-                hint="Use 10000.0 (the usual RoPE base) unless you know you need another.",
-            ),
-        )
-        _set(
-            self,
-            "norm_eps",
-            _check_float(
-                f"{s}.norm_eps",
-                self.norm_eps,
-                gt=0.0,
-                lt=1.0,
-                hint="Use a small positive value such as 1e-5.",
-            ),
-        )
         self._check_subspace()
         self._check_attention_extras()
 
     def _check_attention_extras(self) -> None:
-        """n_kv_heads divides n_heads; rope_scaling is a RopeScalingConfig (or a mapping); a bool flag."""
+        """n_kv_heads divides n_heads; rope_scaling is a RopeScalingConfig (or a mapping)."""
         s = self._SECTION
         if self.n_kv_heads is not None:
-            _check_int(
+            check_int(
                 f"{s}.n_kv_heads",
                 self.n_kv_heads,
                 lo=1,
@@ -419,7 +315,7 @@ class ModelConfig:
                 hint=f"Give a number of key/value heads that divides n_heads ({self.n_heads}), or leave it out.",
             )
             if self.n_heads % self.n_kv_heads:
-                raise _reject(
+                raise reject(
                     f"{s}.n_kv_heads",
                     self.n_kv_heads,
                     f"it must divide model.n_heads ({self.n_heads})",
@@ -430,13 +326,12 @@ class ModelConfig:
             scaling = RopeScalingConfig(**_take_keys(f"{s}.rope_scaling", scaling, RopeScalingConfig))
             _set(self, "rope_scaling", scaling)
         if scaling is not None and not isinstance(scaling, RopeScalingConfig):
-            raise _reject(
+            raise reject(
                 f"{s}.rope_scaling",
                 scaling,
                 "it must be a mapping such as {type: linear, factor: 2.0}",
                 "Leave rope_scaling out for plain RoPE.",
             )
-        _check_bool(f"{s}.tie_embeddings", self.tie_embeddings)
 
     def _check_subspace(self) -> None:
         """Accept ``subspace`` as a SubspaceConfig or a mapping (parsed YAML); check k against d_model."""
@@ -448,7 +343,7 @@ class ModelConfig:
             sub = SubspaceConfig(**_take_keys(path, sub, SubspaceConfig))
             _set(self, "subspace", sub)
         if not isinstance(sub, SubspaceConfig):
-            raise _reject(
+            raise reject(
                 path,
                 sub,
                 "it must be a mapping such as {rank: 16} or {ratio: 32}",
@@ -458,7 +353,7 @@ class ModelConfig:
         if not 1 <= k <= self.d_model:
             name, value = ("rank", sub.rank) if sub.rank is not None else ("ratio", sub.ratio)
             given = "" if name == "rank" else f"it gives k = floor({self.d_model} / {value}) = {k}, but "
-            raise _reject(
+            raise reject(
                 f"{path}.{name}",
                 value,
                 f"{given}the subspace dimension k must satisfy 1 <= k <= model.d_model ({self.d_model})",
@@ -521,7 +416,7 @@ class CodecsConfig:
 
 def _check_codec(path: str, value: Any) -> None:
     if not isinstance(value, str) or not value.strip() or len(value) > 200:
-        raise _reject(
+        raise reject(
             path,
             value,
             "it must be a non-empty codec spec string (at most 200 chars)",
@@ -537,9 +432,7 @@ def _check_codec(path: str, value: Any) -> None:
     try:
         get_codec(value)
     except ValueError as e:  # compression.CodecError is a ValueError
-        raise _reject(
-            path, value, f"the codec was rejected ({e})", "Pick a codec from `swarm codecs`."
-        ) from e
+        raise reject(path, value, f"the codec was rejected ({e})", "Pick a codec from `swarm codecs`.") from e
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -548,187 +441,114 @@ class OptimizerConfig:
 
     _SECTION: ClassVar[str] = "optimizer"
 
-    name: str = "muon"
+    name: str = one_of(OPTIMIZERS, "muon")
     """``muon`` (the default: Muon on the 2-D weight matrices of the transformer blocks, AdamW on
     embeddings, head and norms, with the look-ahead on; see swarm/run/optimizer.py), ``adamw``, or
     ``nesterov`` (SGD with delay-aware Nesterov momentum). Muon is the default because it trains better
     per token than AdamW in one process and loses far less to the staleness of asynchronous pipelines
     (BENCHMARKS.md, "Convergence")."""
-    lr: float = 3e-3
+    lr: float = number(3e-3, gt=0.0, le=10.0, hint="Use a learning rate such as 3e-3 (adamw).")
     """Peak learning rate (reached after warmup); with ``muon``, that of the AdamW part."""
-    muon_lr: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    muon_lr: float | None = number(
+        None,
+        gt=0.0,
+        le=10.0,
+        hint="Use a learning rate such as 0.01, or leave it out to use optimizer.lr.",
+        optional=True,
+        metadata=_OMIT_NONE,
+    )
     """Peak learning rate of Muon's matrices (``muon`` only; follows the same warmup and schedule as
     ``lr``); None = MUON_LR_RATIO (3) x ``lr``. Muon's update is scaled to the RMS of an AdamW update
     (0.2 per element), so the two lrs are comparable; at the demo's size 0.005-0.01 (with lr 3e-3)
     trained best in one process. Lower it if the loss spikes."""
-    muon_momentum: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    muon_momentum: float | None = number(
+        None,
+        ge=0.0,
+        lt=1.0,
+        hint=f"Use a value in [0, 1) such as {MUON_MOMENTUM}, or leave it out.",
+        optional=True,
+        metadata=_OMIT_NONE,
+    )
     """Muon's momentum (Nesterov form; ``muon`` only); None = MUON_MOMENTUM (0.8; the Muon paper's 0.95
     trained worse at the demo's size, in one process and async)."""
-    lookahead: float | None = field(default=None, metadata={_OMIT_IF_NONE: True})
+    lookahead: float | None = number(
+        None,
+        ge=0.0,
+        le=4.0,
+        hint="Use 1.0 (extrapolate by the measured staleness), 0 (off), or leave it out.",
+        optional=True,
+        metadata=_OMIT_NONE,
+    )
     """Delay compensation of ``adamw`` and ``muon`` (swarm/run/optimizer.py, note "extrapolated weights"):
     forwards run on ``params + lookahead * staleness * (the last step's change)``, so a gradient that
     lands ``staleness`` steps late was computed near the weights it is applied to. 0 = off (textbook
     AdamW/Muon); None = 1.0 with muon, 0 with adamw. No effect in sync mode (staleness 0)."""
-    schedule: str = "constant"
+    schedule: str = one_of(SCHEDULES, "constant")
     """``constant`` (after warmup) or ``cosine`` (decays to min_lr_ratio * lr at total_steps)."""
-    warmup_steps: int = 0
+    warmup_steps: int = integer(0, lo=0, hint="Use 0 for no warmup, or a step count.")
     """Optimizer steps of linear warmup from ~0 to lr; use a few hundred if early loss spikes."""
-    total_steps: int | None = None
+    total_steps: int | None = integer(
+        None, lo=1, hint="Give the schedule length in optimizer steps, or leave it out.", optional=True
+    )
     """Length of the cosine schedule in optimizer steps; required for cosine, None = no end."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = number(0.1, ge=0.0, le=1.0, hint="Use a fraction of lr between 0 and 1, e.g. 0.1.")
     """Cosine floor as a fraction of lr."""
-    weight_decay: float = 0.0
+    weight_decay: float = number(0.0, ge=0.0, lt=1.0, hint="Use 0.0 (off) or a small value such as 0.1.")
     """Decoupled weight decay (adamw and both parts of muon, each times its own lr) or L2 decay
     (nesterov); 0 disables it."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas (beta1, beta2); with ``muon``, those of the AdamW part."""
-    momentum: float = 0.9
+    momentum: float = number(0.9, ge=0.0, lt=1.0, hint="Use a value in [0, 1), e.g. 0.9.")
     """Momentum of ``nesterov``; ignored by adamw and muon (muon has ``muon_momentum``). Values near 0.99
     overshoot on tiny runs."""
-    accumulate: int = 1
+    accumulate: int = integer(
+        1,
+        lo=1,
+        hi=1 << 20,
+        hint="Use 1 to step after every micro-batch, or the number of micro-batches per step.",
+    )
     """Micro-batches whose gradients are summed into one optimizer step of a stage peer."""
-    clip_norm: float | None = 1.0
+    clip_norm: float | None = number(
+        1.0, gt=0.0, hint="Use a positive norm such as 1.0, or null to disable clipping.", optional=True
+    )
     """Clip the stage's gradient norm to this before each step; None disables clipping."""
-    mode: str = "async"
+    mode: str = one_of(MODES, "async")
     """``async``: apply updates as gradients arrive (weight stashing keeps backward exact);
     ``sync``: wait for all in-flight micro-batches of a step before updating."""
-    max_versions: int = 3
+    max_versions: int = integer(
+        3,
+        lo=1,
+        hi=MAX_VERSIONS_CAP,
+        hint=f"Keep between 1 and {MAX_VERSIONS_CAP} weight versions; 3 suits most runs.",
+    )
     """Weight versions a peer keeps for in-flight micro-batches; a micro-batch whose version was
     dropped is refused and retried. Raise it if you see many stale-version retries."""
-    recompute: bool = True
+    recompute: bool = flag(True)
     """Recompute the forward pass during backward instead of stashing activations (less memory)."""
 
     def __post_init__(self) -> None:
         s = self._SECTION
-        _check_choice(f"{s}.name", self.name, OPTIMIZERS)
-        _set(
-            self,
-            "lr",
-            _check_float(
-                f"{s}.lr", self.lr, gt=0.0, le=10.0, hint="Use a learning rate such as 3e-3 (adamw)."
-            ),
-        )
-        if self.muon_lr is not None:
-            _set(
-                self,
-                "muon_lr",
-                _check_float(
-                    f"{s}.muon_lr",
-                    self.muon_lr,
-                    gt=0.0,
-                    le=10.0,
-                    hint="Use a learning rate such as 0.01, or leave it out to use optimizer.lr.",
-                ),
-            )
-        if self.muon_momentum is not None:
-            _set(
-                self,
-                "muon_momentum",
-                _check_float(
-                    f"{s}.muon_momentum",
-                    self.muon_momentum,
-                    ge=0.0,
-                    lt=1.0,
-                    hint=f"Use a value in [0, 1) such as {MUON_MOMENTUM}, or leave it out.",
-                ),
-            )
-        if self.lookahead is not None:
-            _set(
-                self,
-                "lookahead",
-                _check_float(
-                    f"{s}.lookahead",
-                    self.lookahead,
-                    ge=0.0,
-                    le=4.0,
-                    hint="Use 1.0 (extrapolate by the measured staleness), 0 (off), or leave it out.",
-                ),
-            )
-        _check_choice(f"{s}.schedule", self.schedule, SCHEDULES)
-        _check_int(f"{s}.warmup_steps", self.warmup_steps, lo=0, hint="Use 0 for no warmup, or a step count.")
-        if self.total_steps is not None:
-            _check_int(
-                f"{s}.total_steps",
-                self.total_steps,
-                lo=1,
-                hint="Give the schedule length in optimizer steps, or leave it out.",
-            )
+        check_fields(self, s)
         if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
-            raise _reject(
+            raise reject(
                 f"{s}.total_steps",
                 self.total_steps,
                 f"a cosine schedule needs total_steps > warmup_steps ({self.warmup_steps})",
                 "Set optimizer.total_steps to the planned run length, or use schedule: constant.",
             )
-        _set(
-            self,
-            "min_lr_ratio",
-            _check_float(
-                f"{s}.min_lr_ratio",
-                self.min_lr_ratio,
-                ge=0.0,
-                le=1.0,
-                hint="Use a fraction of lr between 0 and 1, e.g. 0.1.",
-            ),
-        )
-        _set(
-            self,
-            "weight_decay",
-            _check_float(
-                f"{s}.weight_decay",
-                self.weight_decay,
-                ge=0.0,
-                lt=1.0,
-                hint="Use 0.0 (off) or a small value such as 0.1.",
-            ),
-        )
         betas = self.betas
         if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
-            raise _reject(
+            raise reject(
                 f"{s}.betas", betas, "it must be a pair [beta1, beta2]", "Use e.g. betas: [0.9, 0.95]."
             )
         _set(
             self,
             "betas",
             tuple(
-                _check_float(f"{s}.betas[{i}]", b, ge=0.0, lt=1.0, hint="Use e.g. betas: [0.9, 0.95].")
+                check_float(f"{s}.betas[{i}]", b, ge=0.0, lt=1.0, hint="Use e.g. betas: [0.9, 0.95].")
                 for i, b in enumerate(betas)
             ),
         )
-        _set(
-            self,
-            "momentum",
-            _check_float(
-                f"{s}.momentum", self.momentum, ge=0.0, lt=1.0, hint="Use a value in [0, 1), e.g. 0.9."
-            ),
-        )
-        _check_int(
-            f"{s}.accumulate",
-            self.accumulate,
-            lo=1,
-            hi=1 << 20,
-            hint="Use 1 to step after every micro-batch, or the number of micro-batches per step.",
-        )
-        if self.clip_norm is not None:
-            _set(
-                self,
-                "clip_norm",
-                _check_float(
-                    f"{s}.clip_norm",
-                    self.clip_norm,
-                    gt=0.0,
-                    hint="Use a positive norm such as 1.0, or null to disable clipping.",
-                ),
-            )
-        _check_choice(f"{s}.mode", self.mode, MODES)
-        _check_int(
-            f"{s}.max_versions",
-            self.max_versions,
-            lo=1,
-            hi=MAX_VERSIONS_CAP,
-            hint=f"Keep between 1 and {MAX_VERSIONS_CAP} weight versions; 3 suits most runs.",
-        )
-        _check_bool(f"{s}.recompute", self.recompute)
 
     def lr_at(self, step: int) -> float:
         """Learning rate for optimizer step ``step`` (0-based): linear warmup, then constant or cosine."""
@@ -769,24 +589,13 @@ class AveragingConfig:
 
     _SECTION: ClassVar[str] = "averaging"
 
-    timeout_s: float = 5.0
+    timeout_s: float = number(5.0, gt=0.0, le=3600.0, hint="Use a few seconds, e.g. 5 (more on slow links).")
     """Seconds a gradient round waits for every online replica of the stage; after that the gradients
     are kept for the next round (a replica steps alone after a few failures, the others catch up by
     download). Raise it on slow links if peers report many failed rounds."""
 
     def __post_init__(self) -> None:
-        s = self._SECTION
-        _set(
-            self,
-            "timeout_s",
-            _check_float(
-                f"{s}.timeout_s",
-                self.timeout_s,
-                gt=0.0,
-                le=3600.0,
-                hint="Use a few seconds, e.g. 5 (more on slow links).",
-            ),
-        )
+        check_fields(self, self._SECTION)
 
 
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58 libp2p peer id
@@ -803,7 +612,7 @@ class AccessConfig:
 
     _SECTION: ClassVar[str] = "access"
 
-    private: bool = False
+    private: bool = flag(False)
     """True: only holders of the run's join secret may appear in the DHT or call any peer."""
     secret_check: str | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """16 hex chars, ``swarm.dht.auth.secret_check(secret, run_id)``; required when private."""
@@ -814,22 +623,21 @@ class AccessConfig:
 
     def __post_init__(self) -> None:
         s = self._SECTION
-        if not isinstance(self.private, bool):
-            raise _reject(f"{s}.private", self.private, "it must be true or false", "Write private: true.")
+        check_fields(self, s)
         check = self.secret_check
         if self.private and (not isinstance(check, str) or not re.fullmatch(r"[0-9a-f]{16}", check)):
-            raise _reject(
+            raise reject(
                 f"{s}.secret_check",
                 check,
                 "a private run needs the 16 hex chars of swarm.dht.auth.secret_check(secret, run_id)",
                 "Create private runs with `swarm init RUN.yaml --private --secret-file PATH`.",
             )
         if not self.private and check is not None:
-            raise _reject(f"{s}.secret_check", check, "only a private run has a secret check", "Remove it.")
+            raise reject(f"{s}.secret_check", check, "only a private run has a secret check", "Remove it.")
         for name in ("allow", "deny"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) or len(value) > MAX_ACCESS_LIST:
-                raise _reject(
+                raise reject(
                     f"{s}.{name}",
                     value,
                     f"it must be a list of at most {MAX_ACCESS_LIST} peer ids",
@@ -837,7 +645,7 @@ class AccessConfig:
                 )
             for pid in value:
                 if not isinstance(pid, str) or not _PEER_ID_RE.fullmatch(pid):
-                    raise _reject(
+                    raise reject(
                         f"{s}.{name}",
                         pid,
                         "each entry must be a base58 libp2p peer id",
@@ -867,21 +675,21 @@ class PretrainedConfig:
         s = self._SECTION
         source = self.source
         if not isinstance(source, str) or not 1 <= len(source) <= 200 or not source.isprintable():
-            raise _reject(
+            raise reject(
                 f"{s}.source", source, "it must be 1-200 printable characters", "Name the checkpoint."
             )
         hint = "Let `swarm init --from-pretrained DIR` compute it; do not edit it by hand."
         digests = self.stage_digests
         if isinstance(digests, (str, bytes)) or not isinstance(digests, Sequence) or not digests:
-            raise _reject(f"{s}.stage_digests", digests, "it must be a list with one digest per stage", hint)
+            raise reject(f"{s}.stage_digests", digests, "it must be a list with one digest per stage", hint)
         for i, d in enumerate(digests):
             if not isinstance(d, str) or not _HEX64.fullmatch(d):
-                raise _reject(f"{s}.stage_digests[{i}]", d, "it must be 64 lowercase hex characters", hint)
+                raise reject(f"{s}.stage_digests[{i}]", d, "it must be 64 lowercase hex characters", hint)
         _set(self, "stage_digests", tuple(digests))
         if self.tokenizer is not None and (
             not isinstance(self.tokenizer, str) or not _HEX64.fullmatch(self.tokenizer)
         ):
-            raise _reject(f"{s}.tokenizer", self.tokenizer, "it must be 64 lowercase hex characters", hint)
+            raise reject(f"{s}.tokenizer", self.tokenizer, "it must be 64 lowercase hex characters", hint)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -905,13 +713,17 @@ class RunSpec:
     codecs: CodecsConfig
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
-    micro_batch_size: int
+    micro_batch_size: int = integer(
+        lo=1,
+        hi=MAX_MICRO_BATCH,
+        hint="Use the number of sequences per micro-batch that fits a peer's memory, e.g. 8.",
+    )
     """Sequences per micro-batch (one request through the pipeline)."""
-    seed: int = 0
+    seed: int = integer(0, lo=0, hi=(1 << 63) - 1, hint="Use a non-negative integer such as 0 or 1234.")
     """Root of every derived seed: the same seed gives the same initial weights on every machine."""
-    autocast: str = "auto"
+    autocast: str = one_of(AUTOCAST_CHOICES, "auto")
     """``auto`` (bf16 on CUDA when supported, else full precision), ``none``, ``bf16`` or ``fp16``."""
-    stash_ttl_s: float = 120.0
+    stash_ttl_s: float = number(120.0, gt=0.0, le=86400.0, hint="Use a timeout in seconds such as 120.")
     """Seconds a stashed forward waits for its backward before it is dropped (its micro-batch fails)."""
     access: AccessConfig | None = field(default=None, metadata={_OMIT_IF_NONE: True})
     """Private run / allow / deny lists (swarm/dht/auth.py); None = open to everyone (hash unchanged)."""
@@ -920,14 +732,14 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str):
-            raise _reject(
+            raise reject(
                 "run_id",
                 self.run_id,
                 f"it must be a string, not {type(self.run_id).__name__}",
                 'Quote it in YAML, e.g. run_id: "2024".',
             )
         if not RUN_ID_PATTERN.fullmatch(self.run_id):
-            raise _reject(
+            raise reject(
                 "run_id",
                 self.run_id,
                 "it must be 1-64 characters of letters, digits, '_' or '-' (no '.', no spaces)",
@@ -940,7 +752,7 @@ class RunSpec:
             ("averaging", AveragingConfig),
         ):
             if not isinstance(getattr(self, name), cls):
-                raise _reject(
+                raise reject(
                     name,
                     getattr(self, name),
                     f"it must be a {cls.__name__}",
@@ -948,37 +760,16 @@ class RunSpec:
                 )
         _set(self, "stages", _normalise_stages(self.stages, self.model.n_layers))
         if self.model.subspace is not None and len(self.stages) < 2:
-            raise _reject(
+            raise reject(
                 "model.subspace",
                 _to_plain(self.model.subspace),
                 "a subspace-constrained model needs at least 2 stages: it compresses what crosses stage "
                 "boundaries, and a single-stage run has none",
                 "Split the model into stages (e.g. stages: 2), or leave model.subspace out.",
             )
-        _check_int(
-            "micro_batch_size",
-            self.micro_batch_size,
-            lo=1,
-            hi=MAX_MICRO_BATCH,
-            hint="Use the number of sequences per micro-batch that fits a peer's memory, e.g. 8.",
-        )
-        _check_int(
-            "seed", self.seed, lo=0, hi=(1 << 63) - 1, hint="Use a non-negative integer such as 0 or 1234."
-        )
-        _check_choice("autocast", self.autocast, AUTOCAST_CHOICES)
-        _set(
-            self,
-            "stash_ttl_s",
-            _check_float(
-                "stash_ttl_s",
-                self.stash_ttl_s,
-                gt=0.0,
-                le=86400.0,
-                hint="Use a timeout in seconds such as 120.",
-            ),
-        )
+        check_fields(self, only=("micro_batch_size", "seed", "autocast", "stash_ttl_s"))
         if self.access is not None and not isinstance(self.access, AccessConfig):
-            raise _reject(
+            raise reject(
                 "access", self.access, "it must be an AccessConfig", "Load the spec with RunSpec.from_dict."
             )
         self._check_pretrained()
@@ -989,11 +780,11 @@ class RunSpec:
         if pre is None:
             return
         if not isinstance(pre, PretrainedConfig):
-            raise _reject(
+            raise reject(
                 "pretrained", pre, "it must be a PretrainedConfig", "Load the spec with RunSpec.from_dict."
             )
         if len(pre.stage_digests) != self.num_stages:
-            raise _reject(
+            raise reject(
                 "pretrained.stage_digests",
                 f"{len(pre.stage_digests)} digests",
                 f"there must be one per stage ({self.num_stages})",
@@ -1001,7 +792,7 @@ class RunSpec:
                 "to change the split.",
             )
         if self.model.subspace is not None:
-            raise _reject(
+            raise reject(
                 "model.subspace",
                 _to_plain(self.model.subspace),
                 "a run that continues a checkpoint cannot constrain its layers to a subspace (the "
@@ -1017,7 +808,7 @@ class RunSpec:
 
     def stage_layers(self, stage: int) -> tuple[int, int]:
         """Half-open range ``(first, end)`` of the layers that ``stage`` holds."""
-        _check_int(
+        check_int(
             "stage",
             stage,
             lo=0,
@@ -1079,7 +870,7 @@ class RunSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
         """Build and validate a spec from a plain dict (parsed YAML or JSON); unknown keys are rejected."""
         if not isinstance(data, Mapping):
-            raise _reject(
+            raise reject(
                 "spec", data, "a run spec must be a mapping of keys to values", "Check the spec file."
             )
         try:
@@ -1158,7 +949,7 @@ def read_spec_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise _reject("spec", data, "a run spec must be a mapping of keys to values", "Check the spec file.")
+        raise reject("spec", data, "a run spec must be a mapping of keys to values", "Check the spec file.")
     return data
 
 
@@ -1172,16 +963,16 @@ def _normalise_stages(stages: Any, n_layers: int) -> tuple[tuple[int, int], ...]
     if isinstance(stages, int) and not isinstance(stages, bool):
         return split_layers(n_layers, stages)
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
-        raise _reject("stages", stages, "it must be a stage count or a non-empty list of ranges", hint)
+        raise reject("stages", stages, "it must be a stage count or a non-empty list of ranges", hint)
     ranges = []
     expected_start = 0
     for i, r in enumerate(stages):
         if isinstance(r, (str, bytes)) or not isinstance(r, Sequence) or len(r) != 2:
-            raise _reject(f"stages[{i}]", r, "each stage must be a [first, end) pair of layer indices", hint)
-        first = _check_int(f"stages[{i}][0]", r[0], lo=0, hint=hint)
-        end = _check_int(f"stages[{i}][1]", r[1], lo=0, hint=hint)
+            raise reject(f"stages[{i}]", r, "each stage must be a [first, end) pair of layer indices", hint)
+        first = check_int(f"stages[{i}][0]", r[0], lo=0, hint=hint)
+        end = check_int(f"stages[{i}][1]", r[1], lo=0, hint=hint)
         if first != expected_start:
-            raise _reject(
+            raise reject(
                 f"stages[{i}]",
                 list(r),
                 f"it must start at layer {expected_start}, where the previous stage ended "
@@ -1189,13 +980,13 @@ def _normalise_stages(stages: Any, n_layers: int) -> tuple[tuple[int, int], ...]
                 hint,
             )
         if end <= first:
-            raise _reject(
+            raise reject(
                 f"stages[{i}]", list(r), "each stage must hold at least one layer (end > first)", hint
             )
         ranges.append((first, end))
         expected_start = end
     if expected_start != n_layers:
-        raise _reject(
+        raise reject(
             "stages",
             [list(r) for r in ranges],
             f"the ranges end at layer {expected_start} but model.n_layers is {n_layers}",
@@ -1208,7 +999,7 @@ def _take_keys(section: str, data: Any, cls: type) -> dict[str, Any]:
     """Check a section's keys against ``cls``'s fields: unknown keys and missing required ones fail."""
     where = section or "the run spec"
     if not isinstance(data, Mapping):
-        raise _reject(
+        raise reject(
             section or "spec", data, f"{where} must be a mapping of keys to values", "Check the spec file."
         )
     fields = {f.name: f for f in dataclasses.fields(cls)}

@@ -46,6 +46,7 @@ from swarm.dht.processes import (
     terminate_as_interrupt,
 )
 from swarm.errors import ConfigError, SwarmError
+from swarm.run.fields import check_fields, integer, number
 
 __all__ = ["DemoConfig", "Demo", "PeerProcess", "demo_spec", "DEFAULT_DEMO_SPEC"]
 
@@ -100,11 +101,11 @@ def demo_spec(*, spec_path: str | None = None, stages: int | None = None, codec:
 class DemoConfig:
     """What ``swarm demo`` starts; the CLI flags map 1:1."""
 
-    stages: int | None = None
+    stages: int | None = integer(None, lo=1, optional=True, hint="Use e.g. --stages 2.")
     """Pipeline stages (None = the spec's, 2 for the demo run)."""
-    peers_per_stage: int = 2
+    peers_per_stage: int = integer(2, lo=1, hint="Use e.g. --peers-per-stage 2.")
     """Peer processes per stage (data parallel inside a stage)."""
-    steps: int = 75
+    steps: int = integer(75, lo=1, hint="Use e.g. --steps 75.")
     """Trainer steps (``optimizer.accumulate`` = 4 micro-batches each: 300 micro-batches, 307k tokens); the
     default finishes in about 2 minutes on 2 CPU cores with the loss clearly falling."""
     codec: str | None = None
@@ -116,7 +117,9 @@ class DemoConfig:
     """Run spec file (None = examples/demo.yaml when present, else the built-in demo run)."""
     spec: Any = None
     """A ``RunSpec`` to use as is (Python API and tests); overrides ``spec_path``, ``stages``, ``codec``."""
-    max_inflight: int | None = None
+    max_inflight: int | None = integer(
+        None, lo=1, optional=True, hint="Use e.g. --max-inflight 4, or leave it out."
+    )
     """Micro-batches in flight, exactly (None = paced by the trainer between the number of stages and
     ``swarm.train.trainer.inflight_rule_of_thumb``; note "pacing" in swarm/train/pacing.py)."""
     reference: bool = True
@@ -129,9 +132,9 @@ class DemoConfig:
     """Extra flags for every `swarm peer` process (e.g. ``("--throughput", "5000")``)."""
     peer_args_by_index: dict[int, tuple[str, ...]] = field(default_factory=dict)
     """Extra flags for the peer with this start index (stage * peers_per_stage + j), e.g. a slowdown."""
-    start_timeout_s: float = 180.0
+    start_timeout_s: float = number(180.0, gt=0.0, hint="Give a positive number of seconds.")
     """How long the peers may take to come online (imports, weights, throughput measurement)."""
-    grace_s: float = 10.0
+    grace_s: float = number(10.0, ge=0.0, hint="Give a number of seconds >= 0.")
     """Seconds a peer may take to stop after SIGTERM (it drains, then stops its DHT) before SIGKILL."""
     torch_threads: int | None = None
     """OMP/MKL threads per peer process (None = CPU count / number of peers, at least 1)."""
@@ -140,16 +143,7 @@ class DemoConfig:
     """A ``swarm.tools.keeper.KeeperConfig``: the bootstrap keeps stage snapshots (as ``swarm init`` does); None = none."""
 
     def __post_init__(self) -> None:
-        if self.stages is not None and (isinstance(self.stages, bool) or self.stages < 1):
-            raise ConfigError(f"--stages {self.stages!r} must be >= 1")
-        if isinstance(self.peers_per_stage, bool) or self.peers_per_stage < 1:
-            raise ConfigError(f"--peers-per-stage {self.peers_per_stage!r} must be >= 1")
-        if isinstance(self.steps, bool) or self.steps < 1:
-            raise ConfigError(f"--steps {self.steps!r} must be >= 1")
-        if self.max_inflight is not None and self.max_inflight < 1:
-            raise ConfigError(f"--max-inflight {self.max_inflight!r} must be >= 1")
-        if self.grace_s < 0 or self.start_timeout_s <= 0:
-            raise ConfigError("grace_s must be >= 0 and start_timeout_s > 0")
+        check_fields(self)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarm.dht.snapshots import Snapshot, SnapshotStore, keeper_priority
 from swarm.errors import ConfigError, SwarmError
+from swarm.run.fields import check_fields, integer, number
 
 if TYPE_CHECKING:
     import hivemind
@@ -75,16 +76,20 @@ class KeeperConfig:
 
     directory: str
     """Where snapshots live: ``<directory>/<spec_hash>/stage<i>/v<version>.pt``."""
-    interval_s: float = DEFAULT_INTERVAL_S
+    interval_s: float = number(
+        DEFAULT_INTERVAL_S, gt=0.0, hint="Give a positive number of seconds, e.g. 180."
+    )
     """Download a stage's state at most this often (only when its peers announce a newer version).
     A stage that loses every replica rolls back at most this far (plus one download)."""
-    keep: int = DEFAULT_KEEP
+    keep: int = integer(DEFAULT_KEEP, lo=1, hint="Keep at least 1 snapshot per stage, e.g. 3.")
     """Snapshots kept on disk per stage (the oldest are deleted)."""
-    state_timeout_s: float = 60.0
+    state_timeout_s: float = number(60.0, gt=0.0, hint="Give a positive number of seconds.")
     """How long one stage's download may take."""
-    tick_s: float = 5.0
+    tick_s: float = number(5.0, gt=0.0, hint="Give a positive number of seconds.")
     """How often the keeper reads the stage records (one DHT read) to see what changed."""
-    index_period_s: float = 30.0
+    index_period_s: float = number(
+        30.0, gt=0.0, le=60.0, hint="Give at most 60 s: the index expires after 120 s."
+    )
     """How often the snapshot index is re-published (it expires after 120 s)."""
     initial_weights: str | None = None
     """A --from-pretrained run's checkpoint directory: a stage with no snapshot on disk is served at
@@ -94,17 +99,7 @@ class KeeperConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.directory, str) or not self.directory:
             raise ConfigError(f"keeper directory={self.directory!r} must be a non-empty path")
-        for name in ("interval_s", "state_timeout_s", "tick_s", "index_period_s"):
-            value = getattr(self, name)
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or value <= 0:
-                raise ConfigError(f"keeper {name}={value!r} must be a positive number of seconds")
-        if self.index_period_s > 60.0:
-            raise ConfigError(
-                f"keeper index_period_s={self.index_period_s} must be at most 60 s: the index expires after 120 s"
-            )
-        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
-            raise ConfigError(f"keeper keep={self.keep!r} must be an integer >= 1 (snapshots per stage)")
+        check_fields(self, "keeper")
 
 
 def stage_state_numel(spec: RunSpec, stage: int) -> int:

@@ -105,6 +105,7 @@ from swarm.client.link import SwarmLink
 from swarm.client.liveness import HoldCheck, Liveness, LivenessConfig, RttEstimator, hold_verdict, next_check
 from swarm.client.routing import NoPeersError, Router, RoutingConfig, staleness_caps
 from swarm.errors import ConfigError, Failure, PeerFailure, RequestError, StageUnavailableError
+from swarm.run.fields import check_fields, integer, number
 from swarm.train.accounting import Attempt, Ledger, MicroBatch
 from swarm.train.data import DataConfig, TokenData, build_data
 from swarm.train.logging_sinks import make_sinks
@@ -149,11 +150,11 @@ class TrainerConfig:
     """The run to train; its spec (model, stages, optimizer) is read from the DHT."""
     data: DataConfig = field(default_factory=DataConfig)
     """Text source and split (default: this machine's Python standard library sources)."""
-    steps: int | None = None
+    steps: int | None = integer(None, lo=1, optional=True, hint="Give a positive step count (--steps).")
     """Trainer steps to run (see note "trainer step"); exclusive with ``tokens``; both None = 100."""
-    tokens: int | None = None
+    tokens: int | None = integer(None, lo=1, optional=True, hint="Give a positive token count (--tokens).")
     """Tokens to train on instead of a step count (rounded up to whole micro-batches)."""
-    max_inflight: int = 8
+    max_inflight: int = integer(8, lo=1, hint="Use e.g. 8.")
     """The most micro-batches in the swarm at once (async mode). With ``pacing`` (the default) the
     trainer keeps between the number of stages and this many, as many as keep the swarm busy
     (swarm/train/pacing.py, note "pacing"); without it, exactly this many. More in flight overlaps compute
@@ -164,30 +165,32 @@ class TrainerConfig:
     quality back for it."""
     pacing: bool = True
     """Adapt the in-flight count to the swarm (note "pacing"); False keeps ``max_inflight`` in flight."""
-    max_attempts: int = 4
+    max_attempts: int = integer(4, lo=1, hint="Use e.g. 4 (1 = never re-send).")
     """Routes one micro-batch may try before it is dropped (1 = never re-send)."""
     out_dir: str | None = None
     """Where metrics.jsonl, loss.png and summary.json go; None = write no files."""
     seed: int = 0
     """Seed of data sampling and routing; give each trainer of a run its own to read different text."""
-    eval_every: int = 0
+    eval_every: int = integer(0, lo=0, hint="Use 0 (never) or a step count.")
     """Evaluate held-out loss through the swarm every N trainer steps (and at the end); 0 = never."""
-    eval_batches: int = 2
+    eval_batches: int = integer(2, lo=1, hint="Use e.g. 2.")
     """Held-out micro-batches per evaluation."""
-    progress_interval_s: float = 10.0
+    progress_interval_s: float = number(10.0, gt=0.0, hint="Give a positive number of seconds.")
     """Seconds between progress lines when the output is not a terminal."""
-    publish_every_s: float = 5.0
+    publish_every_s: float = number(5.0, gt=0.0, hint="Give a positive number of seconds.")
     """Seconds between publications of this trainer's progress to the DHT (`swarm status` reads it)."""
-    refresh_every_s: float = 2.0
+    refresh_every_s: float = number(2.0, gt=0.0, hint="Give a positive number of seconds.")
     """Seconds between re-reads of the stage peers' records."""
-    spec_timeout_s: float = 60.0
+    spec_timeout_s: float = number(60.0, gt=0.0, hint="Give a positive number of seconds.")
     """How long to wait for the run spec to appear in the DHT."""
-    call_timeout_s: float = 5.0
+    call_timeout_s: float = number(5.0, gt=0.0, hint="Give a positive number of seconds.")
     """Timeout of the FORWARD call to a stage-0 peer: it only acknowledges validation and queueing,
     so raise it only for very slow links (a timeout backs off from that peer)."""
-    drain_timeout_s: float = 120.0
+    drain_timeout_s: float = number(120.0, gt=0.0, hint="Give a positive number of seconds.")
     """At the end, how long to wait for micro-batches still in flight before dropping them."""
-    stage_wait_s: float | None = None
+    stage_wait_s: float | None = number(
+        None, gt=0.0, optional=True, hint="Give seconds, or None to wait forever."
+    )
     """Give up when a stage has had no peer for this long; None = wait forever (with messages)."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
@@ -227,31 +230,11 @@ class TrainerConfig:
                 f"give either steps ({self.steps}) or tokens ({self.tokens}), not both; "
                 "drop one of --steps / --tokens"
             )
-        for name in ("steps", "tokens"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name}={v!r} must be a positive integer")
-        for name, lo in (("max_inflight", 1), ("max_attempts", 1), ("eval_every", 0), ("eval_batches", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
-        for name in (
-            "progress_interval_s",
-            "publish_every_s",
-            "refresh_every_s",
-            "spec_timeout_s",
-            "call_timeout_s",
-            "drain_timeout_s",
-        ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"{name}={v!r} must be a positive number of seconds")
+        check_fields(self)
         if self.resume and not self.out_dir:
             raise ConfigError(
                 "resume=True needs out_dir: the directory of the run to continue (swarm train --resume OUT)"
             )
-        if self.stage_wait_s is not None and not (self.stage_wait_s > 0):
-            raise ConfigError(f"stage_wait_s={self.stage_wait_s!r} must be positive or None (wait forever)")
         if self.trainer_id is not None and not (
             isinstance(self.trainer_id, str)
             and 0 < len(self.trainer_id) <= 64
