@@ -54,9 +54,13 @@ def test_throughput_is_measured_once_per_device_spec_and_stage(tmp_path):
 
 
 def test_a_bad_value_names_the_field_the_value_the_rule_and_the_next_step():
-    with pytest.raises(ConfigError, match=r"^announce_period_s = 0\.0 is invalid: it must be > 0\.0\. Give .+\.$"):
+    with pytest.raises(
+        ConfigError, match=r"^announce_period_s = 0\.0 is invalid: it must be > 0\.0\. Give .+\.$"
+    ):
         cfg(announce_period_s=0)
-    with pytest.raises(ConfigError, match=r"^max_queue = True is invalid: it must be an integer, not bool\. "):
+    with pytest.raises(
+        ConfigError, match=r"^max_queue = True is invalid: it must be an integer, not bool\. "
+    ):
         cfg(max_queue=True)
     assert cfg(announce_period_s=2).announce_period_s == 2.0  # normalised to a float
     assert cfg(max_queue=8).max_queue_per_sender == 6  # the derived default still follows max_queue
