@@ -30,7 +30,10 @@ COMMAND_MODULES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``swarm`` parser. With ``only``, the other commands get just their one-line help (a module's
+    ``SUMMARY``): their flags come from config classes whose modules import torch (``swarm peer``,
+    ``swarm train``), which a run of another command should not pay for."""
     parser = argparse.ArgumentParser(
         prog="swarm",
         description="swarmpipe: train one model together, one pipeline stage per peer.",
@@ -44,14 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name == f"swarm.cli.commands.{name}":
                 continue  # command not built yet
             raise
-        module.register(sub)
+        if only is not None and name != only and hasattr(module, "SUMMARY"):
+            sub.add_parser(name, help=module.SUMMARY)
+        else:
+            module.register(sub)
     return parser
+
+
+def _command_in(argv: list[str]) -> str:
+    """The command named on a command line ("" if none): the first word that is not an option
+    (``swarm`` itself has no option that takes a value)."""
+    return next((word for word in argv if not word.startswith("-")), "")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. ``argv=None`` means a real process (the console script): then SIGTERM shuts down
     like Ctrl-C and, at the end, leftover children are reaped (see ``swarm/dht/processes.py``)."""
-    parser = build_parser()
+    parser = build_parser(only=_command_in(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -93,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     from swarm.cli.commands.keeper import add_keeper_options
 
-    add_keeper_options(p, default_dir=None)
+    add_keeper_options(p)
     p.add_argument(
         "--no-keeper",
         action="store_true",

@@ -17,50 +17,43 @@ import signal
 import threading
 
 from swarm.cli.commands import add_initial_peers, add_listen_addresses, add_secret_file
+from swarm.cli.flags import Flag, add_flags, flag_values
 
-
-def add_keeper_options(p: argparse.ArgumentParser, *, default_dir: str | None) -> None:
-    """``--keeper-dir``, ``--snapshot-interval-s``, ``--keep-snapshots`` (shared with ``swarm init``)."""
-    from swarm.tools.keeper import DEFAULT_INTERVAL_S, DEFAULT_KEEP
-
-    p.add_argument(
+# KeeperConfig's fields that `swarm keeper` and `swarm init` set; the dests are what init reads.
+KEEPER_FLAGS = (
+    Flag(
+        "directory",
         "--keeper-dir",
-        "--dir",
+        aliases=("--dir",),
         dest="keeper_dir",
-        default=default_dir,
+        default=None,
         metavar="DIR",
         help="where stage snapshots are kept (default: snapshots/RUN_ID)",
-    )
-    p.add_argument(
+    ),
+    Flag(
+        "interval_s",
         "--snapshot-interval-s",
-        "--interval-s",
+        aliases=("--interval-s",),
         dest="snapshot_interval_s",
-        type=float,
-        default=DEFAULT_INTERVAL_S,
         metavar="S",
-        help=f"download each stage's state at most this often (default {DEFAULT_INTERVAL_S:.0f}); a stage that "
-        "loses every replica rolls back at most this far",
-    )
-    p.add_argument(
-        "--keep-snapshots",
-        "--keep",
-        dest="keep_snapshots",
-        type=int,
-        default=DEFAULT_KEEP,
-        metavar="N",
-        help=f"snapshots kept on disk per stage (default {DEFAULT_KEEP})",
-    )
+    ),
+    Flag("keep", "--keep-snapshots", aliases=("--keep",), dest="keep_snapshots", metavar="N"),
+)
+
+
+def add_keeper_options(p: argparse.ArgumentParser) -> None:
+    """``--keeper-dir``, ``--snapshot-interval-s``, ``--keep-snapshots`` (shared with ``swarm init``)."""
+    from swarm.tools.keeper import KeeperConfig
+
+    add_flags(p, KeeperConfig, KEEPER_FLAGS)
 
 
 def keeper_config(args: argparse.Namespace, run_id: str, *, initial_weights: str | None = None):  # type: ignore[no-untyped-def]
     from swarm.tools.keeper import KeeperConfig
 
-    return KeeperConfig(
-        directory=args.keeper_dir or os.path.join("snapshots", run_id),
-        interval_s=args.snapshot_interval_s,
-        keep=args.keep_snapshots,
-        initial_weights=initial_weights,
-    )
+    values = flag_values(args, KEEPER_FLAGS)
+    values["directory"] = values["directory"] or os.path.join("snapshots", run_id)
+    return KeeperConfig(**values, initial_weights=initial_weights)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_initial_peers(p)
     p.add_argument("--run", required=True, metavar="RUN_ID", help="the run to keep")
-    add_keeper_options(p, default_dir=None)
+    add_keeper_options(p)
     add_listen_addresses(p)
     p.add_argument("--identity", metavar="PATH", help="RSA identity file for a stable peer id")
     p.add_argument("--public", action="store_true", help="listen on all interfaces (/ip4/0.0.0.0/tcp/0)")

@@ -17,64 +17,45 @@ from __future__ import annotations
 import argparse
 
 from swarm.cli.commands import add_initial_peers, add_listen_addresses, add_secret_file
+from swarm.cli.flags import Flag, add_flags, flag_values
+
+SUMMARY = "serve one pipeline stage of a run"
+
+# PeerConfig's fields that `swarm peer` sets from a flag; defaults, types and help come from PeerConfig.
+FLAGS = (
+    Flag("run_id", "--run", metavar="RUN_ID"),
+    Flag("stage", "--stage"),
+    Flag("device", "--device"),
+    Flag("identity_path", "--identity", metavar="PATH"),
+    Flag("checkpoint_dir", "--checkpoint-dir", metavar="DIR"),
+    Flag("public", "--public"),
+    Flag("throughput", "--throughput", metavar="TOK_S"),
+    Flag("slowdown_s", "--slowdown", metavar="S"),
+    Flag("max_queue", "--max-queue", metavar="N"),
+    Flag("announce_period_s", "--announce-period", metavar="S"),
+    Flag(
+        "rebalance",
+        "--no-rebalance",
+        const=False,
+        help="never move to another stage (default: move only with --stage auto)",
+    ),
+    Flag("request_timeout_s", "--request-timeout", metavar="S"),
+    Flag("start_fresh", "--start-fresh"),
+    Flag("weights_dir", "--weights", metavar="DIR"),
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from peer.config import PeerConfig
+
     p = subparsers.add_parser(
         "peer",
-        help="serve one pipeline stage of a run",
+        help=SUMMARY,
         description="Join a run, claim a stage (or --stage N), load its weights and serve it until stopped.",
     )
     add_initial_peers(p)
-    p.add_argument(
-        "--run", required=True, metavar="RUN_ID", help="the run to serve (its spec comes from the DHT)"
-    )
-    p.add_argument(
-        "--stage", default="auto", help="'auto' (weakest stage, rebalanced later) or a stage number"
-    )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto = CUDA when present)")
     add_listen_addresses(p)
-    p.add_argument(
-        "--identity", metavar="PATH", help="RSA identity file for a stable peer id (created if missing)"
-    )
-    p.add_argument(
-        "--checkpoint-dir", metavar="DIR", help="save state here periodically and on exit; resume from it"
-    )
-    p.add_argument("--public", action="store_true", help="listen on all interfaces (/ip4/0.0.0.0/tcp/0)")
-    p.add_argument("--throughput", type=float, metavar="TOK_S", help="declare tokens/s instead of measuring")
-    p.add_argument(
-        "--slowdown",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="extra seconds per micro-batch (straggler demos)",
-    )
-    p.add_argument(
-        "--max-queue", type=int, default=64, help="queued compute tasks before refusing (backpressure)"
-    )
-    p.add_argument(
-        "--announce-period", type=float, default=5.0, metavar="S", help="seconds between announcements"
-    )
-    p.add_argument(
-        "--no-rebalance",
-        action="store_true",
-        help="never move to another stage (default: move only with --stage auto)",
-    )
-    p.add_argument(
-        "--request-timeout", type=float, default=30.0, metavar="S", help="timeout of one call to the next hop"
-    )
-    p.add_argument(
-        "--start-fresh",
-        action="store_true",
-        help="if the stage's state is lost (no live replica, keeper snapshot or checkpoint) in a run that has "
-        "trained, start it from its initial weights anyway instead of refusing (the event is reported)",
-    )
-    p.add_argument(
-        "--weights",
-        metavar="DIR",
-        help="a --from-pretrained run's checkpoint directory: this stage's initial weights when no live "
-        "replica or keeper sends them (only the stage's tensors are read, checked against the spec)",
-    )
+    add_flags(p, PeerConfig, FLAGS)
     add_secret_file(p)
     p.set_defaults(func=run)
 
@@ -89,22 +70,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = PeerConfig(
         initial_peers=tuple(args.initial_peers),
-        run_id=args.run,
-        stage=args.stage,
-        device=args.device,
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
-        identity_path=args.identity,
-        checkpoint_dir=args.checkpoint_dir,
-        public=args.public,
-        throughput=args.throughput,
-        slowdown_s=args.slowdown,
-        max_queue=args.max_queue,
-        announce_period_s=args.announce_period,
-        rebalance=False if args.no_rebalance else None,
-        request_timeout_s=args.request_timeout,
         secret=load_secret(args.secret_file),
-        start_fresh=args.start_fresh,
-        weights_dir=args.weights,
+        **flag_values(args, FLAGS),
     )
     return run_peer(config)

@@ -19,86 +19,78 @@ import argparse
 import os
 
 from swarm.cli.commands import add_initial_peers, add_secret_file
+from swarm.cli.flags import Flag, add_flags, flag_values
 
+SUMMARY = "train a run: send micro-batches of data through the swarm's stages"
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "train",
-        help="train a run: send micro-batches of data through the swarm's stages",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_initial_peers(p)
-    p.add_argument("--run", required=True, metavar="RUN", help="run id to train")
-    p.add_argument(
-        "--data",
+# Flags of TrainerConfig's fields; --out, --resume and --seed have CLI defaults of None because their
+# value depends on each other (see config_from_args).
+FLAGS = (
+    Flag("run_id", "--run", metavar="RUN"),
+    Flag("max_inflight", "--max-inflight", metavar="K"),
+    Flag(
+        "pacing",
+        "--fixed-inflight",
+        const=False,
+        help="keep exactly --max-inflight micro-batches in flight instead of pacing them to the swarm",
+    ),
+    Flag("max_attempts", "--max-attempts", metavar="N"),
+    Flag("eval_every", "--eval-every", metavar="N"),
+    Flag(
+        "seed",
+        "--seed",
         default=None,
+        type=int,
+        help="data sampling and routing seed (default 0; on --resume, the run's)",
+    ),
+    Flag("out_dir", "--out", metavar="DIR", help="output directory (default runs/RUN)"),
+    Flag("trainer_id", "--trainer-id", metavar="NAME"),
+    Flag("host_maddrs", "--host-maddrs", nargs="+", metavar="MADDR"),
+    Flag("quiet", "--quiet"),
+    Flag("log", "--log", nargs="+", choices=("tensorboard", "wandb")),
+)
+LENGTH_FLAGS = (  # exclusive with each other
+    Flag("steps", "--steps", metavar="N"),
+    Flag("tokens", "--tokens", metavar="N"),
+)
+# DataConfig's; --max-data-bytes defaults to None so that DataConfig's own default applies.
+DATA_FLAGS = (
+    Flag(
+        "source",
+        "--data",
         metavar="SOURCE",
         help="text file, directory of text files, .jsonl with a 'text' field, or hf:LOCAL_PATH "
         "(default: this machine's Python standard library sources)",
-    )
-    p.add_argument(
+    ),
+    Flag(
+        "tokenizer",
         "--tokenizer",
-        default=None,
         metavar="PATH",
         help="local tokenizer.json or checkpoint directory (default: bytes; a --from-pretrained run's own "
         "tokenizer, remembered on this machine)",
+    ),
+    Flag("max_bytes", "--max-data-bytes", dest="max_data_bytes", default=None, metavar="N"),
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from swarm.train.data import DataConfig
+    from swarm.train.trainer import TrainerConfig
+
+    p = subparsers.add_parser(
+        "train", help=SUMMARY, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--max-data-bytes", type=int, default=None, metavar="N", help="read at most N bytes of text"
-    )
-    length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, default=None, metavar="N", help="trainer steps (default 100)")
-    length.add_argument("--tokens", type=int, default=None, metavar="N", help="tokens to train on")
-    p.add_argument(
-        "--max-inflight",
-        type=int,
-        default=8,
-        metavar="K",
-        help="the most micro-batches in the swarm at once (default 8); the trainer keeps as many as keep "
-        "the swarm busy, from the number of stages up to K (async mode)",
-    )
-    p.add_argument(
-        "--fixed-inflight",
-        action="store_true",
-        help="keep exactly --max-inflight micro-batches in flight instead of pacing them to the swarm",
-    )
-    p.add_argument(
-        "--max-attempts", type=int, default=4, metavar="N", help="routes tried per micro-batch (default 4)"
-    )
-    p.add_argument(
-        "--eval-every", type=int, default=0, metavar="N", help="held-out loss every N steps (0 = never)"
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="data sampling and routing seed (default 0; on --resume, the run's)",
-    )
-    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/RUN)")
+    add_initial_peers(p)
+    add_flags(p, DataConfig, DATA_FLAGS)
+    add_flags(p.add_mutually_exclusive_group(), TrainerConfig, LENGTH_FLAGS)
+    add_flags(p, TrainerConfig, FLAGS)
     p.add_argument(
         "--resume",
         default=None,
         metavar="OUT",
         help="continue the trainer whose output directory is OUT (its step, tokens, data position, metrics)",
     )
-    p.add_argument("--trainer-id", default=None, metavar="NAME", help="name shown by `swarm status`")
-    p.add_argument(
-        "--host-maddrs",
-        nargs="+",
-        default=[],
-        metavar="MADDR",
-        help="where to listen for peers' reports (default: loopback only)",
-    )
     add_secret_file(p)
-    p.add_argument("--quiet", action="store_true", help="no progress line and no printed summary")
-    p.add_argument(
-        "--log",
-        nargs="+",
-        default=[],
-        choices=["tensorboard", "wandb"],
-        help="also log metrics to TensorBoard (OUT/tensorboard) and/or Weights & Biases (offline without an API key)",
-    )
     p.set_defaults(func=run)
 
 
@@ -109,14 +101,14 @@ def config_from_args(args: argparse.Namespace):
     from swarm.train.data import DataConfig
     from swarm.train.trainer import TrainerConfig, read_resume_state
 
-    out = args.out if args.out is not None else os.path.join("runs", args.run)
+    out = args.out_dir if args.out_dir is not None else os.path.join("runs", args.run_id)
     if args.resume is not None:
-        if args.out is not None and os.path.abspath(args.out) != os.path.abspath(args.resume):
+        if args.out_dir is not None and os.path.abspath(args.out_dir) != os.path.abspath(args.resume):
             raise ConfigError(
-                f"--out {args.out} and --resume {args.resume} name different directories; a resumed trainer "
-                "writes where it wrote before: drop --out"
+                f"--out {args.out_dir} and --resume {args.resume} name different directories; a resumed "
+                "trainer writes where it wrote before: drop --out"
             )
-        state = read_resume_state(args.resume, run_id=args.run)  # reads only: a bad OUT fails here
+        state = read_resume_state(args.resume, run_id=args.run_id)  # reads only: a bad OUT fails here
         if args.seed is not None and args.seed != state.seed:
             raise ConfigError(
                 f"--seed {args.seed} differs from the seed {state.seed} of the trainer in {args.resume}; a "
@@ -124,26 +116,13 @@ def config_from_args(args: argparse.Namespace):
             )
         out = args.resume
 
-    data_kwargs = {"source": args.data, "tokenizer": args.tokenizer}
-    if args.max_data_bytes is not None:
-        data_kwargs["max_bytes"] = args.max_data_bytes
+    data = {k: v for k, v in flag_values(args, DATA_FLAGS).items() if k != "max_bytes" or v is not None}
     return TrainerConfig(
         initial_peers=tuple(args.initial_peers),
-        run_id=args.run,
-        data=DataConfig(**data_kwargs),
-        steps=args.steps,
-        tokens=args.tokens,
-        max_inflight=args.max_inflight,
-        pacing=not args.fixed_inflight,
-        max_attempts=args.max_attempts,
-        eval_every=args.eval_every,
-        seed=args.seed if args.seed is not None else 0,
-        out_dir=out,
+        data=DataConfig(**data),
+        **flag_values(args, LENGTH_FLAGS),
+        **flag_values(args, FLAGS) | {"seed": args.seed if args.seed is not None else 0, "out_dir": out},
         resume=args.resume is not None,
-        trainer_id=args.trainer_id,
-        host_maddrs=tuple(args.host_maddrs),
-        quiet=args.quiet,
-        log=tuple(args.log),
         secret=load_secret(getattr(args, "secret_file", None)),
     )
 
