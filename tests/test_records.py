@@ -467,3 +467,36 @@ def test_dht_schema_and_readers_share_each_field_rule(owner):
                 else:
                     assert stored, (name, field_name, odd)
     assert checked > 300
+
+
+def _reference_b58encode(data: bytes) -> str:
+    """Base58 (bitcoin alphabet) written out: what records.py used before it took the base58 package."""
+    alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+    number, out = int.from_bytes(data, "big"), ""
+    while number:
+        number, rem = divmod(number, 58)
+        out = alphabet[rem] + out
+    return "1" * (len(data) - len(data.lstrip(b"\0"))) + out
+
+
+def _reference_varint(n: int) -> bytes:
+    """Unsigned LEB128 written out: what records.py used before it took the varint package."""
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | 0x80 if n else byte)
+        if not n:
+            return bytes(out)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(data=st.binary(max_size=64), n=st.integers(min_value=0, max_value=(1 << 64) - 1))
+def test_installed_base58_and_varint_encode_as_libp2p_peer_ids_need(data, n):
+    import base58
+    import varint
+
+    assert base58.b58encode(data).decode() == _reference_b58encode(data)
+    assert base58.b58encode(b"\0\0" + data).decode() == _reference_b58encode(b"\0\0" + data)
+    assert varint.encode(n) == _reference_varint(n)
+    for edge in (0, 127, 128, 16383, 16384, 294):  # 294: the DER length of a 2048-bit RSA key
+        assert varint.encode(edge) == _reference_varint(edge)

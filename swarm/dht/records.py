@@ -17,7 +17,7 @@ Keys (all strings; ``<run>`` is the run id)::
 Why this scheme: hivemind keys may be any msgpack value (they are hashed into DHT ids), but
 ``SchemaValidator`` can only check keys spelled ``<prefix>_<field>``, so every key here has that
 shape (prefix ``swarmpipe`` for the registry, ``swarmpipe_<run>`` for a run). Run ids are limited
-to ``[A-Za-z0-9_-]{1,64}`` (the rule of ``RunSpec.run_id``): no '.', because hivemind averager prefixes built from the run
+to ``swarm.run.limits.RUN_ID_RE`` (``[A-Za-z0-9_-]{1,64}``, also the rule of ``RunSpec.run_id``): no '.', because hivemind averager prefixes built from the run
 id must not contain one, and no separator surprises in keys.
 
 Subkeys are *owner markers*: the ``[owner:ssh-rsa ...]`` bytes of hivemind's
@@ -52,6 +52,7 @@ import pydantic.v1 as pydantic
 
 from swarm.dht.wire_fields import RECORD_VERSION, Rule, WireRecord, blob, choice, count, items, real, text
 from swarm.errors import ConfigError, RecordError
+from swarm.run.limits import MAX_SPEC_BYTES, MAX_STAGES, PEER_ID_RE, RUN_ID_RE, SPEC_HASH_RE
 from swarm.version import __version__
 
 __all__ = [
@@ -91,18 +92,11 @@ __all__ = [
 KEY_PREFIX = "swarmpipe"
 REGISTRY_FIELD = "runs"
 REGISTRY_KEY = f"{KEY_PREFIX}_{REGISTRY_FIELD}"
-# Stage fields are spelled out in the DHT schema, so the schema needs an upper bound.
-MAX_STAGES = 256
-# The DHT process dies on values of ~45 KB (docs/HIVEMIND.md, "DHT"); a spec is a few hundred bytes.
-MAX_SPEC_BYTES = 16 * 1024
 PEER_STATES = ("joining", "online", "leaving", "reading")
 ACTIVE_STATES = frozenset({"joining", "online"})
 PeerState = Literal["joining", "online", "leaving", "reading"]
 
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the rule of RunSpec.run_id (swarm/run/spec.py)
 _LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
-_SPEC_HASH_RE = re.compile(r"[0-9a-f]{16}")
-_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 _MAX_CODECS = 16
 _MAX_THROUGHPUT = 1e12  # tokens/s; anything above is a lie, not a measurement
@@ -114,7 +108,7 @@ _MAX_TIME = 1e11  # wall-clock seconds (year ~5138): anything above is garbage
 
 def check_run_id(run_id: object) -> str:
     """Return ``run_id`` if it can name DHT keys, else raise ``ConfigError`` (see module docstring)."""
-    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
+    if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
         raise ConfigError(
             f"run id {run_id!r} cannot name DHT keys: use 1 to 64 characters from A-Z a-z 0-9 _ - "
             "(no '.', no spaces), e.g. 'tiny-run_1'"
@@ -192,29 +186,6 @@ def subkey_label(subkey: bytes) -> str:
     return label
 
 
-def _b58encode(data: bytes) -> str:
-    alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-    number = int.from_bytes(data, "big")
-    out = ""
-    while number:
-        number, rem = divmod(number, 58)
-        out = alphabet[rem] + out
-    pad = len(data) - len(data.lstrip(b"\0"))
-    return "1" * pad + out
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
 def peer_id_from_ssh_public_key(ssh_key: bytes) -> str:
     """The libp2p peer id (base58) of an RSA public key in OpenSSH format.
 
@@ -222,6 +193,8 @@ def peer_id_from_ssh_public_key(ssh_key: bytes) -> str:
     with sha2-256 as a multihash (RSA keys are too long for the identity hash). Raises
     ``RecordError`` if the bytes are not an RSA public key.
     """
+    import base58
+    import varint
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
 
@@ -232,8 +205,9 @@ def peer_id_from_ssh_public_key(ssh_key: bytes) -> str:
     if not isinstance(key, rsa.RSAPublicKey):
         raise RecordError(f"owner key is a {type(key).__name__}, expected RSA")
     der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    message = b"\x08\x00" + b"\x12" + _varint(len(der)) + der  # proto2: required key_type is always written
-    return _b58encode(b"\x12\x20" + hashlib.sha256(message).digest())
+    # proto2: the required key_type is always written, even at its default (RSA = 0)
+    message = b"\x08\x00" + b"\x12" + varint.encode(len(der)) + der
+    return base58.b58encode(b"\x12\x20" + hashlib.sha256(message).digest()).decode()
 
 
 def peer_id_of_subkey(subkey: object) -> str:
@@ -252,9 +226,9 @@ def _rule(rule: Rule, *, default: object = dataclasses.MISSING, wire_name: str |
     return field(default=default, metadata=metadata)
 
 
-_PEER_ID = text(_PEER_ID_RE)
-_RUN_ID = text(_RUN_ID_RE)
-_SPEC_HASH = text(_SPEC_HASH_RE)
+_PEER_ID = text(PEER_ID_RE)
+_RUN_ID = text(RUN_ID_RE)
+_SPEC_HASH = text(SPEC_HASH_RE)
 _SOFTWARE = text(max_len=32)
 _STAGE = count(0, MAX_STAGES - 1)
 _RATE = real(0.0, _MAX_THROUGHPUT, "a finite float in [0, 1e12]")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarm.atomic import atomic_torch_save
 from swarm.errors import ConfigError
+from swarm.run.limits import SPEC_HASH_RE
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +85,7 @@ class SnapshotStore:
     """Snapshots of one run spec under ``root/<spec_hash>/stage<i>/v<version>.pt`` (see module docstring)."""
 
     def __init__(self, root: str | os.PathLike[str], *, spec_hash: str, keep: int = 3):
-        if not isinstance(spec_hash, str) or not re.fullmatch(r"[0-9a-f]{16}", spec_hash):
+        if not isinstance(spec_hash, str) or not SPEC_HASH_RE.fullmatch(spec_hash):
             raise ConfigError(f"spec_hash={spec_hash!r} must be the 16 hex chars of RunSpec.spec_hash")
         prune_plan([], keep)  # validates keep
         self.root = Path(root)

@@ -14,8 +14,9 @@ the value, the rule and what to do (:func:`reject`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,3 +207,66 @@ def check_fields(obj: Any, section: str = "", *, only: Sequence[str] | None = No
         if rule is not None:
             path = f"{section}.{name}" if section else name
             object.__setattr__(obj, name, rule.check(path, getattr(obj, name)))
+
+
+# ---- what the spec's canonical bytes hold, and reading sections from plain dicts
+
+OMIT_IF_NONE = "omit_if_none"
+"""Field metadata key: a field whose value is None is left out of ``to_plain`` (and so of a spec's
+canonical bytes and hash). Used for options added after runs existed, so that a spec that does not use
+the option keeps the hash it had before the option was added."""
+OMIT_IF_DEFAULT = "omit_if_default"
+"""Same for a field whose value equals its default (a flag added later, e.g. ``model.tie_embeddings``)."""
+OMIT_NONE = {OMIT_IF_NONE: True}
+OMIT_DEFAULT = {OMIT_IF_DEFAULT: True}
+
+
+def set_field(obj: Any, name: str, value: Any) -> None:
+    """Store a normalised value on a frozen dataclass during ``__post_init__`` (and only then)."""
+    object.__setattr__(obj, name, value)
+
+
+def take_keys(section: str, data: Any, cls: type) -> dict[str, Any]:
+    """Check a section's keys against ``cls``'s fields: unknown keys and missing required ones fail."""
+    where = section or "the run spec"
+    if not isinstance(data, Mapping):
+        raise reject(
+            section or "spec", data, f"{where} must be a mapping of keys to values", "Check the spec file."
+        )
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    valid = sorted(fields)
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        prefix = f"{section}." if section else ""
+        close = difflib.get_close_matches(str(unknown[0]), valid, n=1)
+        suggestion = f" Did you mean {prefix}{close[0]}?" if close else ""
+        names = ", ".join(f"{prefix}{k}" for k in unknown)
+        raise ConfigError(
+            f"unknown key(s) {names} in {where}.{suggestion} Valid keys{' of ' + section if section else ''} "
+            f"are: {', '.join(valid)}."
+        )
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        prefix = f"{section}." if section else ""
+        raise ConfigError(
+            f"{where} is missing required key(s) {', '.join(prefix + m for m in missing)}. "
+            "See examples/tiny.yaml for a complete spec."
+        )
+    return dict(data)
+
+
+def to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: to_plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not (f.metadata.get(OMIT_IF_NONE) and getattr(value, f.name) is None)
+            and not (f.metadata.get(OMIT_IF_DEFAULT) and getattr(value, f.name) == f.default)
+        }
+    if isinstance(value, (tuple, list)):
+        return [to_plain(v) for v in value]
+    return value
