@@ -31,9 +31,9 @@ COMMAND_MODULES = (
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The ``swarm`` parser. With ``only``, the other commands get just their one-line help (a module's
-    ``SUMMARY``): their flags come from config classes whose modules import torch (``swarm peer``,
-    ``swarm train``), which a run of another command should not pay for."""
+    """The ``swarm`` parser. With ``only``, the other commands that set ``SUMMARY`` get just that one-line
+    help: their flags come from config classes whose modules may be slow to import (``peer.config`` and
+    ``swarm.train.trainer`` import torch), which a run of another command should not pay for."""
     parser = argparse.ArgumentParser(
         prog="swarm",
         description="swarmpipe: train one model together, one pipeline stage per peer.",

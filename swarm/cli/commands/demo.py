@@ -35,12 +35,15 @@ FLAGS = (
 )
 
 
+SUMMARY = "train a small model with a local swarm (bootstrap, peers, trainer), then clean up"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     from swarm.tools.demo import DemoConfig
 
     p = subparsers.add_parser(
         "demo",
-        help="train a small model with a local swarm (bootstrap, peers, trainer), then clean up",
+        help=SUMMARY,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -32,11 +32,13 @@ import signal
 import sys
 import threading
 
+SUMMARY = "start a bootstrap node for a new run and print the commands that join it"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "init",
-        help="start a bootstrap node for a new run and print the commands that join it",
+        help=SUMMARY,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -84,14 +86,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="where the join secret of a --private run is kept (created with mode 0600, or reused)",
     )
-    p.add_argument(
-        "--status-interval-s",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="seconds between status lines (default 10)",
-    )
     from swarm.cli.commands.keeper import add_keeper_options
+    from swarm.cli.flags import Flag, add_flags
+    from swarm.tools.bootstrap import BootstrapConfig
+
+    add_flags(p, BootstrapConfig, (Flag("status_interval_s", "--status-interval-s", metavar="S"),))
 
     add_keeper_options(p)
     p.add_argument(

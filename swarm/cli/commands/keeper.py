@@ -41,6 +41,9 @@ KEEPER_FLAGS = (
 )
 
 
+SUMMARY = "keep recent snapshots of every stage of a run and serve them when a stage loses its peers"
+
+
 def add_keeper_options(p: argparse.ArgumentParser) -> None:
     """``--keeper-dir``, ``--snapshot-interval-s``, ``--keep-snapshots`` (shared with ``swarm init``)."""
     from swarm.tools.keeper import KeeperConfig
@@ -59,7 +62,7 @@ def keeper_config(args: argparse.Namespace, run_id: str, *, initial_weights: str
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "keeper",
-        help="keep recent snapshots of every stage of a run and serve them when a stage loses its peers",
+        help=SUMMARY,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
