@@ -45,7 +45,9 @@ forwards during the round run on those weights, stashed with their entry (``Stas
 ``ahead = 1``). The previewed weights are only ever read by this replica's own forwards and
 backwards; the round's combined step is what every replica applies, so replicas still hold the same
 state. A gradient taken on speculative weights counts as one version ahead of the round's version,
-so when the round applies it in the next step its applied staleness is 0.
+so when the round applies it in the next step its applied staleness is 0. Measured (BENCHMARKS.md
+"Convergence", 2 x 2 async, 3 seeds, same load): applied staleness 0.58-0.64 / 0.29-0.33 (stage 0 /
+stage 1) -> 0.42-0.43 / 0.02-0.06, held-out ratio 1.069 -> 1.036.
 
 Thread-safety: the worker thread calls forward/backward; other threads (averaging, state download,
 checkpoints, replica rounds) call :meth:`export_state`, :meth:`take_round`, :meth:`end_round`,

@@ -13,9 +13,9 @@ numbers. A replica that gets no traffic (nothing in flight, no gradient for a wh
 that another replica waits for (its matchmaking declaration is in the DHT) with what it holds, maybe
 nothing, so a step never waits for a replica without work; a share is otherwise never sent partial.
 
-While a round runs, an async replica keeps serving: forwards use the current version, and
-backwards accumulate into a fresh buffer for the next round (so a round adds at most one step of
-staleness). In sync mode a replica's share is everything it got of the trainer's window (it is done
+While a round runs, an async replica keeps serving: training forwards run on the step the replica
+previews from its own share (note "speculative rounds" in peer/compute.py), and backwards accumulate
+into a fresh buffer for the next round. In sync mode a replica's share is everything it got of the trainer's window (it is done
 once nothing is in flight and no gradient came for a moment: the trainer sends the next window only
 after this one completed everywhere), and forwards wait for the round (``forward_allowed``), so
 every gradient of a step is computed on the same version, as in a synchronous pipeline.
