@@ -350,18 +350,7 @@ def start_dht(cfg: DHTConfig) -> hivemind.DHT:
                 record_validators=validators,
             )
         except P2PDaemonError as e:
-            if "bootstrap" in str(e) and cfg.initial_peers:
-                raise PeerFailure(
-                    f"could not reach any initial peer {list(cfg.initial_peers)} ({e}); check that the "
-                    "node behind that address (e.g. `swarm init`) is running and that the address is the "
-                    "one it printed"
-                ) from e
-            if "already taken" in str(e):
-                raise ConfigError(
-                    f"identity {cfg.identity_path!r} is already used by a running peer; "
-                    "each process needs its own identity file"
-                ) from e
-            raise PeerFailure(f"the libp2p daemon failed to start: {e}") from e
+            raise _daemon_failure(e, cfg) from e
     finally:
         if tmpdir is not None and cfg.start:
             shutil.rmtree(tmpdir, ignore_errors=True)
@@ -373,6 +362,23 @@ def start_dht(cfg: DHTConfig) -> hivemind.DHT:
         dht.shutdown()
         raise AssertionError("p2pd did not take the RSA identity it was given")  # an invariant of this module
     return dht
+
+
+def _daemon_failure(e: Exception, cfg: DHTConfig) -> ConfigError | PeerFailure:
+    """What p2pd's refusal to start means for the user: an unreachable initial peer, an identity in
+    use, or the daemon's own message."""
+    if "bootstrap" in str(e) and cfg.initial_peers:
+        return PeerFailure(
+            f"could not reach any initial peer {list(cfg.initial_peers)} ({e}); check that the "
+            "node behind that address (e.g. `swarm init`) is running and that the address is the "
+            "one it printed"
+        )
+    if "already taken" in str(e):
+        return ConfigError(
+            f"identity {cfg.identity_path!r} is already used by a running peer; "
+            "each process needs its own identity file"
+        )
+    return PeerFailure(f"the libp2p daemon failed to start: {e}")
 
 
 def _remove_replica_sockets_on_shutdown(dht: hivemind.DHT) -> None:

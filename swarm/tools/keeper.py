@@ -105,7 +105,7 @@ class KeeperConfig:
 def stage_state_numel(spec: RunSpec, stage: int) -> int:
     """Values in one stage's shared state (parameters plus optimizer slots), as its peers lay it out."""
     from swarm.run.model import StageModule
-    from swarm.tools.export import _state_layout
+    from swarm.tools.export_download import _state_layout
 
     module = StageModule(spec, stage, draw=False)  # shapes only: nothing is drawn
     _, _, layout = _state_layout(spec, module)
@@ -218,7 +218,7 @@ class Keeper:
 
             auth = self.membership.auth or RunAuth.from_spec(self.spec, None)
             if auth.gated:
-                from swarm.tools.export import _ReaderRecords
+                from swarm.tools.export_download import _ReaderRecords
 
                 self._reader = _ReaderRecords(self.membership, self.spec).start()
                 self.refresh_authorized()  # before anything is declared: the set starts open

@@ -45,6 +45,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "spec", nargs="?", metavar="RUN.yaml", help="run spec file (omit for a plain bootstrap node)"
     )
+    _add_network_options(p)
+    _add_pretrained_options(p)
+    p.add_argument(
+        "--private",
+        action="store_true",
+        help="only holders of the run's join secret may take part (needs --secret-file)",
+    )
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="where the join secret of a --private run is kept (created with mode 0600, or reused)",
+    )
+    from swarm.cli.commands.keeper import add_keeper_options
+    from swarm.cli.flags import Flag, add_flags
+    from swarm.tools.bootstrap import BootstrapConfig
+
+    add_flags(p, BootstrapConfig, (Flag("status_interval_s", "--status-interval-s", metavar="S"),))
+
+    add_keeper_options(p)
+    p.add_argument(
+        "--no-keeper",
+        action="store_true",
+        help="keep no stage snapshots (a stage that loses every replica can then only come back from a "
+        "peer's --checkpoint-dir)",
+    )
+    p.set_defaults(func=run)
+
+
+def _add_network_options(p: argparse.ArgumentParser) -> None:
+    """The node's ``DHTConfig`` flags, with help for a bootstrap node (hence not ``add_listen_addresses``);
+    ``run`` maps them, keeping the config's listen address when ``--host-maddrs`` is not given."""
     p.add_argument(
         "--initial-peers",
         nargs="+",
@@ -74,32 +106,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="RSA identity file for a stable address (created if missing)",
     )
     p.add_argument("--public", action="store_true", help="listen on all interfaces (/ip4/0.0.0.0/tcp/0)")
-    _add_pretrained_options(p)
-    p.add_argument(
-        "--private",
-        action="store_true",
-        help="only holders of the run's join secret may take part (needs --secret-file)",
-    )
-    p.add_argument(
-        "--secret-file",
-        default=None,
-        metavar="PATH",
-        help="where the join secret of a --private run is kept (created with mode 0600, or reused)",
-    )
-    from swarm.cli.commands.keeper import add_keeper_options
-    from swarm.cli.flags import Flag, add_flags
-    from swarm.tools.bootstrap import BootstrapConfig
-
-    add_flags(p, BootstrapConfig, (Flag("status_interval_s", "--status-interval-s", metavar="S"),))
-
-    add_keeper_options(p)
-    p.add_argument(
-        "--no-keeper",
-        action="store_true",
-        help="keep no stage snapshots (a stage that loses every replica can then only come back from a "
-        "peer's --checkpoint-dir)",
-    )
-    p.set_defaults(func=run)
 
 
 def _add_pretrained_options(p: argparse.ArgumentParser) -> None:
