@@ -1,5 +1,8 @@
 """Routing: which peer of each stage carries the next micro-batch (stochastic wiring).
 
+(Over 400 lines on purpose: one routing policy, its config and the observations it weighs;
+``Router`` only holds that state.)
+
 The policy is a pure function, :func:`choose_route`, over the stage peers' DHT records plus what this
 trainer observed about them (:class:`PeerStats`); :class:`Router` is the thin stateful owner of those
 observations, with the clock and the random generator injected so tests need no sleeping.

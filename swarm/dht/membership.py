@@ -1,5 +1,8 @@
 """Who is in a run: the one object through which a process reads and writes the swarm's DHT.
 
+(Over 400 lines on purpose: one class, the process's only DHT owner; every DHT read and write of a
+run goes through its lock, so they stay in one place.)
+
 ``Membership(dht, run_id, spec_hash=None)`` wraps a DHT made by ``network.start_dht``. Why one
 object per process: concurrent DHT calls from several threads corrupt the pipe to hivemind's DHT
 process and kill it (docs/HIVEMIND.md, "DHT"), so every call goes through one ``threading.Lock``.

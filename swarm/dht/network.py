@@ -1,5 +1,8 @@
 """Joining the swarm's DHT: addresses, identities, validators. The one place a DHT is created.
 
+(Over 400 lines on purpose: addresses, config, identity and the daemon's sockets are all inputs of
+``start_dht``, the one place a DHT is created.)
+
 Every process of a swarm (bootstrap, stage peer, trainer, status) calls ``start_dht(DHTConfig(...))``.
 Doing it in one place matters because hivemind nodes validate what other nodes ask them to store
 and return: nodes with different validators would disagree about which records exist. Every node

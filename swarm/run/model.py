@@ -1,5 +1,8 @@
 """The model: a GPT/Llama-style decoder cut into pipeline stages, each a plain ``nn.Module``.
 
+(Over 400 lines on purpose: the layers, their seeded init and the stage split are one definition of
+the model, pinned together by the spec hash; split, a change to one would hide what the others assume.)
+
 Stage 0 holds the token embedding, the last stage holds the final RMSNorm, the LM head and (via
 :func:`lm_loss`) the loss; every stage holds its share of the transformer blocks. Blocks are pre-norm
 residual (RMSNorm -> causal attention with RoPE -> residual; RMSNorm -> SwiGLU -> residual), with no

@@ -1,5 +1,8 @@
 """Runs that continue an existing checkpoint: a local Hugging Face Llama directory in, a run spec out.
 
+(Over 400 lines on purpose: the readers of one Llama directory (config, weights, tokenizer) each
+fill one part of the spec ``spec_from_pretrained`` builds, and refuse what the model cannot represent.)
+
     swarm init --from-pretrained DIR --stages 4          # DIR: config.json, *.safetensors, tokenizer.json
     swarm peer --initial-peers ... --run RUN --weights DIR   # a peer with its own copy of DIR
 

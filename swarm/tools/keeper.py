@@ -1,5 +1,8 @@
 """The keeper: recent snapshots of every stage's state, so a stage outlives its peers.
 
+(Over 400 lines on purpose: one long-lived node; its config, its first snapshot and the ``Keeper``
+loop of downloads, writes and announcements share one lifecycle.)
+
 A keeper is a long-lived node (the run owner's ``swarm init`` runs one; ``swarm keeper`` lets anyone
 run another) that, for each stage of a run:
 

@@ -1,5 +1,8 @@
 """The data plane: messages between trainers and stage peers, carried by hivemind's libp2p ``P2P``.
 
+(Over 400 lines on purpose: the message headers, token packing and part framing are one wire format
+under one version tag, ``PROTOCOL_TAG``; split, a change to one would hide where the others must follow.)
+
 Why not ``ServicerBase``: handler names there are derived from (and cached on) the servicer class,
 so the peer and the trainer would have to share one class. Here the protocol owns the names
 (``FORWARD``, ``BACKWARD``, ``INFO``, ``REPORT``) and both sides register or call them directly.
