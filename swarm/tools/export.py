@@ -65,8 +65,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarm.dht.keys import check_run_id
 from swarm.dht.network import DHTConfig
-from swarm.dht.records import check_run_id
 from swarm.errors import ConfigError
 from swarm.tools.export_download import _ReaderRecords, download_stage_states
 from swarm.tools.export_files import (
