@@ -10,16 +10,18 @@ when full), so a sender learns at once that it must route elsewhere (backpressur
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from peer.config import PeerConfig
 from peer.runtime import ComputeQueue
-from swarm.dht.auth import AuthError, PenaltyBox, SenderLimiter
-from swarm.errors import RequestError
+from swarm.dht.auth import AuthError, PenaltyBox
+from swarm.errors import ConfigError, RequestError
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "SenderLimiter"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +77,34 @@ class Admission:
         except RequestError:
             self._limiter.release(sender)
             raise
+
+
+class SenderLimiter:
+    """Caps the requests one sender has queued here, so a flood from one peer slows only that peer."""
+
+    def __init__(self, per_sender: int):
+        if per_sender < 1:
+            raise ConfigError(f"per-sender queue cap {per_sender} must be >= 1")
+        self.per_sender = per_sender
+        self._held: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()  # acquired on the event loop, released by the compute worker
+        self.refused = 0
+
+    def acquire(self, peer_id: str) -> None:
+        with self._lock:
+            if self._held[peer_id] >= self.per_sender:
+                self.refused += 1
+                raise RequestError(
+                    f"peer {peer_id} already has {self.per_sender} requests queued here (the per-sender "
+                    "cap); wait for their acks to drain or route to another peer"
+                )
+            self._held[peer_id] += 1
+
+    def release(self, peer_id: str) -> None:
+        with self._lock:
+            self._held[peer_id] -= 1
+            if self._held[peer_id] <= 0:
+                del self._held[peer_id]
+
+    def held(self, peer_id: str) -> int:
+        return self._held.get(peer_id, 0)

@@ -9,13 +9,13 @@ import stat
 
 import pytest
 
+from peer.admission import SenderLimiter
 from peer.averaging import _AuthorizedSet
 from swarm.dht.auth import (
     SECRET_ENV,
     AuthError,
     PenaltyBox,
     RunAuth,
-    SenderLimiter,
     format_secret,
     generate_secret,
     load_secret,

@@ -339,7 +339,7 @@ def test_muon_on_a_stage_takes_the_block_matrices_including_subspace_coefficient
     assert "layers.0.attn.proj.coef" in opt.matrices and "layers.0.ffn.down.coef" in opt.matrices
     assert "embed.coef" not in opt.matrices  # the subspace embedding's coefficients: AdamW
     assert set(opt.matrices) == {n for n, p in first.items() if n.startswith("layers.") and p.dim() == 2}
-    # the exporter lays the state out on the meta device (swarm/tools/export.py): no allocation, same names
+    # the exporter lays the state out on the meta device (swarm/tools/export_download.py): no allocation, same names
     meta = StageOptimizer({n: torch.empty(p.shape, device="meta") for n, p in first.items()}, spec.optimizer)
     assert meta.state_names() == opt.state_names()
 

@@ -29,8 +29,8 @@ the caller's peer id must belong to a stage peer with a valid DHT proof (see ``p
 Public runs may still publish ``access.allow`` (only these peer ids) or ``access.deny`` (never these)
 in the signed spec; both planes apply them the same way.
 
-``PenaltyBox`` ignores a sender for a while after it sent poison (NaN/Inf or absurd gradients), and
-``SenderLimiter`` caps the requests one sender may have queued, so a flood slows only its sender.
+``PenaltyBox`` ignores a sender for a while after it sent poison (NaN/Inf or absurd gradients). (The
+per-sender queue cap, ``SenderLimiter``, is admission control and lives in ``peer/admission.py``.)
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import math
 import os
 import secrets
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -68,7 +67,6 @@ __all__ = [
     "secret_check",
     "RunAuth",
     "PenaltyBox",
-    "SenderLimiter",
 ]
 
 SECRET_ENV = "SWARMPIPE_SECRET"
@@ -395,34 +393,3 @@ class PenaltyBox:
             del self._until[peer_id]
             return
         raise AuthError(f"peer {peer_id} sent invalid gradients and is ignored for another {left:.0f} s")
-
-
-class SenderLimiter:
-    """Caps the requests one sender has queued here, so a flood from one peer slows only that peer."""
-
-    def __init__(self, per_sender: int):
-        if per_sender < 1:
-            raise ConfigError(f"per-sender queue cap {per_sender} must be >= 1")
-        self.per_sender = per_sender
-        self._held: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()  # acquired on the event loop, released by the compute worker
-        self.refused = 0
-
-    def acquire(self, peer_id: str) -> None:
-        with self._lock:
-            if self._held[peer_id] >= self.per_sender:
-                self.refused += 1
-                raise RequestError(
-                    f"peer {peer_id} already has {self.per_sender} requests queued here (the per-sender "
-                    "cap); wait for their acks to drain or route to another peer"
-                )
-            self._held[peer_id] += 1
-
-    def release(self, peer_id: str) -> None:
-        with self._lock:
-            self._held[peer_id] -= 1
-            if self._held[peer_id] <= 0:
-                del self._held[peer_id]
-
-    def held(self, peer_id: str) -> int:
-        return self._held.get(peer_id, 0)
