@@ -2,8 +2,9 @@
 
 The browser test starts a bootstrap and a few DHT nodes on loopback that announce PeerRecords and
 publish trainer progress, serves the monitor, and loads the page in Debian's chromium
-(``--dump-dom`` and ``--screenshot``; the screenshot's path is printed). Without chromium it tries
-``apt-get install -y chromium`` once and skips with the reason if that fails.
+(``--dump-dom`` and ``--screenshot``; the screenshot's path is printed). Tests never install
+anything: without chromium on PATH the browser test skips with the reason (``make browser``
+installs it, see README's "Tests").
 """
 
 from __future__ import annotations
@@ -327,7 +328,7 @@ def test_cli_flags_map_to_the_config():
 def _chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if not found:  # tests never install anything; README, "Tests", says how to get the browser test
-        pytest.skip("chromium is not installed (e.g. `apt-get install chromium`) for the browser test")
+        pytest.skip("chromium is not on PATH for the browser test (`make browser` installs it)")
     return found
 
 
