@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup test test-fast demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick clean
+.PHONY: setup test test-fast test-integration browser demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +20,24 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 setup: $(VENV)/.installed
 
+# Tiers (README, "Tests"): unit (pure logic, seconds) and integration (real peers on loopback, minutes).
+# The 25 slowest tests are listed at the end, so CI logs (.ci/run) show where the time goes.
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m unit $(PYTEST_ARGS)
+
+test-integration: setup
+	$(BIN)/python -m pytest -q -m integration --durations=25 $(PYTEST_ARGS)
+
+# The monitor's browser test needs a headless chromium on PATH (Debian/Ubuntu package; root or sudo).
+# Tests never install anything: without it that test is skipped.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null \
+	  || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
+	@echo "chromium: $$(command -v chromium || command -v chromium-browser)"
 
 demo: setup
 	$(BIN)/swarm demo $(DEMO_ARGS)

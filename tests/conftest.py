@@ -1,4 +1,10 @@
-"""Shared test fixtures.
+"""Shared test fixtures, and the test tiers.
+
+Tiers (README, "Tests"): a test marked ``integration`` (directly, by its module's ``pytestmark``, or
+through ``slow``, which implies it) starts real peers, DHT nodes, servers or subprocesses on
+loopback; every other test is marked ``unit`` here, and ``unit_tests_stay_in_process`` holds it to
+that: binding or connecting a socket, or starting a subprocess, fails the test with a hint to mark it
+``integration``. ``make test-fast`` runs ``-m unit``.
 
 ``no_leftover_processes`` runs around every test module: hivemind starts a forked DHT process and a
 ``p2pd`` daemon per node, and SIGKILL of a parent leaves them running (see docs/HIVEMIND.md, "Processes").
@@ -18,6 +24,7 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import subprocess
 import time
 import warnings
 
@@ -121,3 +128,33 @@ def _check_socket_files(before: set[str]) -> None:
         )
     if live:
         pytest.fail("hivemind socket files left open by this test module:\n  " + "\n  ".join(live))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("integration") is not None:
+            continue
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.integration)
+        else:
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_stay_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A ``unit`` test that binds or connects a socket or starts a subprocess fails (see the docstring)."""
+    if request.node.get_closest_marker("unit") is not None:
+
+        def refuse(what: str):
+            def refused(*args, **kwargs):
+                raise AssertionError(
+                    f"a unit test {what}: mark it @pytest.mark.integration (tiers: tests/conftest.py)"
+                )
+
+            return refused
+
+        monkeypatch.setattr(socket.socket, "bind", refuse("binds a socket"))
+        monkeypatch.setattr(socket.socket, "connect", refuse("connects a socket"))
+        monkeypatch.setattr(socket.socket, "connect_ex", refuse("connects a socket"))
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse("starts a subprocess"))
+    yield

@@ -86,6 +86,7 @@ def _ours(tag: str) -> list[str]:
 
 
 @needs_lab
+@pytest.mark.integration
 def test_netlab_rate_limits_and_tears_down():
     nbytes = 256 * 1024
     with NetLab(["a", "b"]) as lab:
@@ -108,6 +109,7 @@ def test_netlab_rate_limits_and_tears_down():
 
 
 @needs_lab
+@pytest.mark.integration
 def test_netlab_sigterm_tears_down_and_stale_labs_are_cleaned():
     script = (
         "import time\nfrom benchmarks.netlab import NetLab\n"

@@ -24,6 +24,7 @@ from swarm.run.spec import RunSpec
 from swarm.tools.demo import Demo, DemoConfig
 from swarm.train.metrics import read_metrics
 from swarm.train.trainer import Trainer, TrainerConfig
+from tests.helpers import until
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +136,10 @@ def test_random_sigkills_and_replacements_do_not_derail_training(tmp_path):
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.killed = True
                 await asyncio.to_thread(victim.popen.wait)
-                await asyncio.sleep(0.5)  # the group's DHT child and p2pd die with it
+                # the group's DHT child and p2pd die with it; their socket files are stale once they are gone
+                await until(
+                    lambda g=victim.pid: not processes.alive_in_groups([g]), 30, "the victim's group to die"
+                )
                 stale.append(remove_stale_sockets())
                 kills.append(
                     {"stage": victim.stage, "peer": victim.peer_id, "step": getattr(trainer, "step", 0)}

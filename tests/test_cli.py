@@ -15,6 +15,7 @@ def test_version_flag(capsys):
     assert __version__ in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "swarm.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and "swarmpipe" in out.stdout

@@ -16,6 +16,7 @@ import pytest
 
 from swarm.tools.demo import DEFAULT_DEMO_SPEC, demo_spec
 from swarm.train.metrics import read_metrics
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +106,10 @@ def test_demo_interrupted_by_sigint_cleans_up(tmp_path):
             lines.append(line)
             if "tok/s" in line or time.monotonic() > deadline:
                 break
-        time.sleep(1.0)
+        metrics = out / "metrics.jsonl"
+        wait_until(
+            lambda: metrics.exists() and read_metrics(metrics, "event"), 60, "the trainer's first event"
+        )
         peer_pids = {int(p.split("(pid ")[1].split(",")[0]) for p in lines if "(pid " in p}
         assert len(peer_pids) == 2, "".join(lines)
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends

@@ -320,7 +320,7 @@ def test_export_of_a_live_swarm_matches_its_peers(tmp_path):
     from peer import StagePeer
     from swarm.dht.network import DHTConfig
     from swarm.tools.export import export_run
-    from tests.test_peer_pipeline import Driver, _batch, peer_config, start_peers, stop_all
+    from tests.helpers import Driver, batch, peer_config, start_peers, stop_all, until
 
     spec = small_spec("exportlive")
 
@@ -332,11 +332,10 @@ def test_export_of_a_live_swarm_matches_its_peers(tmp_path):
             await start_peers(driver, [peer_config(driver, 0), peer_config(driver, 1)], peers)
             route = [p.peer_id for p in peers]
             for seed in (1, 2):  # two real training steps: every stage leaves its init
-                tokens, targets = _batch(seed, spec)
+                tokens, targets = batch(seed, spec)
                 mb = await driver.send(route, tokens, targets)
                 await driver.wait_reports(mb, {"loss", "done"})
-            await asyncio.sleep(0.3)
-            assert [p.version for p in peers] == [2, 2]
+            await until(lambda: [p.version for p in peers] == [2, 2], 10, "both stages at version 2")
 
             def cfg(out, **kw):
                 base = dict(

@@ -25,135 +25,26 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compression import get_codec
-from peer import PeerConfig, StagePeer
-from swarm.dht.auth import AuthError, RunAuth, generate_secret, secret_check
-from swarm.dht.membership import Membership
-from swarm.dht.network import DHTConfig, start_dht, visible_maddrs
+from peer import StagePeer
+from swarm.dht.auth import AuthError, RunAuth, generate_secret
 from swarm.errors import RequestError
-from swarm.run.spec import RunSpec
 from swarm.wire.protocol import (
     BACKWARD,
     FORWARD,
     INFO,
     MAX_HEADER_BYTES,
     PROTOCOL_TAG,
-    REPORT,
     BackwardHeader,
     ForwardHeader,
     Message,
     Report,
-    call,
-    pack_tokens,
     peer_id_from_str,
     read_message,
-    serve,
     to_parts,
 )
-from tests.test_peer_pipeline import peer_config as pipeline_peer_config
+from tests.helpers import Node, batch, peer_config, private_spec
 
 MAX_PAYLOAD = 64 << 10  # the peer's cap: an oversized payload is cheap to declare
-
-
-def private_spec(run_id: str, secret: bytes | None, stages: int = 3, **over) -> RunSpec:
-    d = {
-        "run_id": run_id,
-        "model": {"vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 16},
-        "stages": stages,
-        "codecs": {"activations": "none", "gradients": "none"},
-        "optimizer": {
-            "name": "adamw",
-            "lr": 1e-2,
-            "mode": "async",
-            "accumulate": 1,
-            "clip_norm": 1.0,
-            "max_versions": 16,
-        },
-        "averaging": {},
-        "micro_batch_size": 2,
-        "stash_ttl_s": 30,
-    } | over
-    if secret is not None:
-        d["access"] = {"private": True, "secret_check": secret_check(secret, run_id)}
-    return RunSpec.from_dict(d)
-
-
-class Node:
-    """A driver / trainer-like node: its own DHT, P2P, handlers for REPORT (and FORWARD, to act as a
-    later stage), and the run's auth if it holds a secret (``secret=None`` makes an outsider)."""
-
-    def __init__(self, spec: RunSpec, secret: bytes | None, *, initial_peers=(), publish=False):
-        self.spec, self.secret, self.initial_peers, self.publish = spec, secret, tuple(initial_peers), publish
-        self.auth = RunAuth(spec.run_id, secret=secret)  # an outsider's auth has no secret: no proofs
-        self.reports: asyncio.Queue = asyncio.Queue()
-        self.forwards: asyncio.Queue = asyncio.Queue()
-        self.dht = None
-        self.p2p = None
-
-    async def start(self) -> None:
-        self.dht = await asyncio.to_thread(start_dht, DHTConfig(initial_peers=self.initial_peers))
-        self.membership = Membership(self.dht, self.spec.run_id)
-        if self.publish:
-            await asyncio.to_thread(self.membership.publish_spec, self.spec)
-        else:
-            self.membership.spec, self.membership.spec_hash = self.spec, self.spec.spec_hash
-        self.membership.set_auth(self.auth)
-        self.p2p = await self.dht.replicate_p2p()
-
-        async def on_report(message: Message, remote) -> dict:
-            await self.reports.put(Report.from_wire(message.header))
-            return {}
-
-        async def on_forward(message: Message, remote) -> dict:
-            await self.forwards.put(ForwardHeader.from_wire(message.header))
-            return {"queue": 0}
-
-        gate = self.auth.gate(self.peer_id)
-        await serve(self.p2p, REPORT, on_report, gate=gate)
-        await serve(self.p2p, FORWARD, on_forward, gate=gate)
-
-    @property
-    def peer_id(self) -> str:
-        return self.dht.peer_id.to_base58()
-
-    def maddrs(self) -> tuple[str, ...]:
-        return tuple(visible_maddrs(self.dht))
-
-    async def shutdown(self) -> None:
-        if self.p2p is not None:
-            await self.p2p.shutdown()  # removes its handler socket file
-        if self.dht is not None:
-            await asyncio.to_thread(self.dht.shutdown)
-
-    def header(self, route, tokens, targets, stage=0, mb_id=None) -> ForwardHeader:
-        return ForwardHeader(
-            run_id=self.spec.run_id,
-            spec_hash=self.spec.spec_hash,
-            mb_id=mb_id or f"mb{random.getrandbits(48)}",
-            stage=stage,
-            route=tuple(route),
-            trainer=self.peer_id,
-            mode="train",
-            batch=tokens.shape[0],
-            seq=tokens.shape[1],
-            tokens=pack_tokens(tokens),
-            targets=pack_tokens(targets),
-        )
-
-    async def call(self, peer: str, name: str, header: dict, payload: bytes = b"", timeout_s: float = 10):
-        return await call(self.p2p, peer, name, Message(header, payload), timeout_s=timeout_s, auth=self.auth)
-
-
-def peer_config(node: Node, stage, secret, **kw) -> PeerConfig:
-    """The pipeline tests' fast peer settings, with this run's join secret."""
-    return pipeline_peer_config(node, stage, secret=secret, **kw)
-
-
-def batch(seed: int, spec: RunSpec):
-    g = torch.Generator().manual_seed(seed)
-    data = torch.randint(
-        0, spec.model.vocab_size, (spec.micro_batch_size, spec.model.seq_len + 1), generator=g
-    )
-    return data[:, :-1], data[:, 1:]
 
 
 def snapshot(peer: StagePeer) -> tuple:
@@ -212,7 +103,7 @@ def test_live_peer_survives_thousands_of_malformed_requests():
         peer: StagePeer | None = None
         try:
             await node.start()
-            peer = StagePeer(peer_config(node, 1, secret, max_payload_bytes=MAX_PAYLOAD))
+            peer = StagePeer(peer_config(node, 1, secret=secret, max_payload_bytes=MAX_PAYLOAD))
             await peer.start()
             target = peer.peer_id
             route = [node.peer_id, target, node.peer_id]

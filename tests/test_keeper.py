@@ -18,8 +18,7 @@ from swarm.dht.membership import Membership
 from swarm.dht.network import DHTConfig, start_dht
 from swarm.dht.snapshots import StageStateLost
 from swarm.tools.keeper import Keeper, KeeperConfig
-from tests.test_peer_pipeline import Driver, peer_config, start_peers
-from tests.test_peer_swarm import spec_for, train, until
+from tests.helpers import Driver, peer_config, spec_for, start_peers, train, until
 
 pytestmark = pytest.mark.slow
 

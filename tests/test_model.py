@@ -140,6 +140,7 @@ def test_same_weights_built_twice_and_seed_matters():
     assert checksum(build_stage(spec, 1)) == a
 
 
+@pytest.mark.integration
 def test_same_weights_in_another_process_and_on_any_cpu():
     """A fresh process whose torch kernels take the plain (non-SIMD) code paths builds the same weights:
     ``Tensor.normal_`` fails this (its Box-Muller depends on the CPU), see Note [portable init]."""

@@ -14,7 +14,6 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 import xml.etree.ElementTree as ET
@@ -34,6 +33,7 @@ from swarm.tools.monitor import (
     render_prometheus,
 )
 from swarm.tools.status import RunStatus, StageStatus
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -258,6 +258,7 @@ def _get(url: str) -> tuple[int, str, str]:
         return e.code, e.headers["Content-Type"], e.read().decode()
 
 
+@pytest.mark.integration
 def test_server_serves_page_json_metrics_and_404():
     spec = _spec(2)
     state = MonitorState(clock=_Clock())
@@ -394,7 +395,13 @@ def test_monitor_page_of_a_live_swarm_in_a_headless_browser(tmp_path):
             )
         )
         monitor.start()
-        # A trainer's loss falls while the monitor polls: the monitor keeps the curve itself.
+
+        # A trainer's loss falls while the monitor polls: the monitor keeps the curve itself (each
+        # value is published once the monitor has sampled the one before, so every one is a point).
+        def samples() -> int:
+            runs = monitor.state.snapshot()["runs"]
+            return len(runs[0]["history"]) if runs else 0
+
         for i in range(6):
             a.publish_progress(
                 "trainer-1",
@@ -403,16 +410,14 @@ def test_monitor_page_of_a_live_swarm_in_a_headless_browser(tmp_path):
                 loss=5.5 - 0.4 * i,
                 tokens_per_s=900.0 + 40 * i,
             )
-            time.sleep(0.45)
-        deadline = time.monotonic() + 15
-        while True:
-            snap = json.loads(_get(monitor.url + "api/status")[2])
-            runs = snap["runs"]
-            if runs and len(runs[0]["history"]) >= 4 and runs[0]["peers"] == 3:
-                break
-            assert time.monotonic() < deadline, f"the monitor did not see the swarm: {snap}"
-            time.sleep(0.3)
-        run = runs[0]
+            wait_until(lambda n=i + 1: samples() >= n, 30, f"the monitor's sample {i + 1}")
+
+        def seen() -> dict | None:
+            runs = json.loads(_get(monitor.url + "api/status")[2])["runs"]
+            return runs[0] if runs and len(runs[0]["history"]) >= 4 and runs[0]["peers"] == 3 else None
+
+        wait_until(seen, 30, "the monitor to see the swarm's 3 peers")
+        run = seen()
         assert run["uncovered_stages"] == [2]
         assert {p["peer_id"] for p in run["stages"][0]["peers"]} == {a.peer_id, c.peer_id}
         assert [p["peer_id"] for p in run["stages"][1]["peers"]] == [b.peer_id]

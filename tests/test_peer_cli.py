@@ -16,8 +16,7 @@ import pytest
 from peer import StagePeer
 from peer.checkpoint import load_checkpoint
 from swarm.wire.protocol import INFO, Message, call
-from tests.test_peer_pipeline import Driver, _batch, peer_config
-from tests.test_peer_swarm import spec_for
+from tests.helpers import Driver, batch, peer_config, spec_for
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +72,7 @@ def test_cli_peer_serves_stops_cleanly_and_resumes(tmp_path):
             await driver.start()
             proc, peer_id = await _start_cli_peer(driver, ckpt)
             procs.append(proc)
-            tokens, targets = _batch(0, spec)
+            tokens, targets = batch(0, spec)
             mb = await driver.send([peer_id], tokens, targets)
             await driver.wait_reports(mb, {"loss", "done"})
             children = await asyncio.to_thread(_stop, proc)

@@ -16,7 +16,7 @@ from peer import StagePeer
 from swarm.dht.network import DHTConfig, start_dht
 from swarm.run.spec import RunSpec
 from swarm.wire.protocol import CANCEL, FORWARD, INFO, Message, call, serve
-from tests.test_peer_pipeline import Driver, _batch, peer_config, start_peers, stop_all, tiny_spec
+from tests.helpers import Driver, batch, peer_config, start_peers, stop_all, tiny_spec, until
 
 pytestmark = pytest.mark.slow
 
@@ -46,9 +46,7 @@ async def second_node(driver: Driver, spec: RunSpec) -> Driver:
 
 
 async def stashed_at(peer: StagePeer, mb: str, timeout_s: float = 30) -> None:
-    async with asyncio.timeout(timeout_s):
-        while mb not in peer.compute.stash:
-            await asyncio.sleep(0.02)
+    await until(lambda: mb in peer.compute.stash, timeout_s, f"{mb} stashed", interval_s=0.02)
 
 
 def test_info_lists_what_a_peer_holds_and_cancel_drops_only_the_owners_micro_batches():
@@ -64,15 +62,12 @@ def test_info_lists_what_a_peer_holds_and_cancel_drops_only_the_owners_micro_bat
             hop = await fake_next_hop(driver)
             await start_peers(driver, [peer_config(driver, 0)], peers)
             stage0 = peers[0]
-            tokens, targets = _batch(0, spec)
+            tokens, targets = batch(0, spec)
             mb = await driver.send([stage0.peer_id, driver.peer_id], tokens, targets)
             await stashed_at(stage0, mb)
-            async with asyncio.timeout(30):
-                while not hop:
-                    await asyncio.sleep(0.02)
-            async with asyncio.timeout(30):  # the hop was acknowledged: nothing active is left here
-                while stage0.stats()["held"]:
-                    await asyncio.sleep(0.02)
+            await until(lambda: hop, 30, "the forward to the next hop", interval_s=0.02)
+            # the hop was acknowledged: nothing active is left here
+            await until(lambda: not stage0.stats()["held"], 30, "no held micro-batch", interval_s=0.02)
             info = await call(
                 driver.p2p, stage0.peer_id, INFO, Message({"mb_ids": [mb, "other"]}), timeout_s=5
             )
@@ -119,15 +114,13 @@ def test_stash_entries_of_a_trainer_that_vanished_are_dropped_without_waiting_fo
             trainer = await second_node(driver, spec)
             await start_peers(driver, [peer_config(driver, 0)], peers)
             stage0 = peers[0]
-            tokens, targets = _batch(0, spec)
+            tokens, targets = batch(0, spec)
             mb = await trainer.send([stage0.peer_id, driver.peer_id], tokens, targets)
             await stashed_at(stage0, mb)
             await trainer.p2p.shutdown()
             await trainer.shutdown()  # gone without a word: only a probe can tell
             trainer.dht = None
-            async with asyncio.timeout(60):  # the stash TTL is 600 s
-                while mb in stage0.compute.stash:
-                    await asyncio.sleep(0.1)
+            await until(lambda: mb not in stage0.compute.stash, 60, "the stash entry dropped")  # TTL is 600 s
             stats = stage0.stats()
             assert stats["trainer_gone"] == 1 and stats["stash_expired"] == 0
         finally:

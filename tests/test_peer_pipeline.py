@@ -8,155 +8,20 @@ spec) and in-process ``StagePeer`` objects, each with its own DHT; everything is
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import pytest
 import torch
 
 from compression import decode_any, get_codec
-from peer import PeerConfig, StagePeer
-from swarm.dht.membership import Membership
-from swarm.dht.network import DHTConfig, start_dht, visible_maddrs
+from peer import StagePeer
 from swarm.errors import Failure, RequestError
 from swarm.run.model import build_model, lm_loss
 from swarm.run.optimizer import StageOptimizer
 from swarm.run.spec import RunSpec
-from swarm.wire.protocol import (
-    BACKWARD,
-    FORWARD,
-    INFO,
-    REPORT,
-    ForwardHeader,
-    Message,
-    Report,
-    call,
-    pack_tokens,
-    serve,
-)
+from swarm.wire.protocol import BACKWARD, FORWARD, INFO, Message, Report, call
+from tests.helpers import Driver, batch, peer_config, start_peers, stop_all, time_limit, tiny_spec, until
 
 pytestmark = pytest.mark.slow
-
-
-def tiny_spec(run_id: str, stages: int = 3, subspace: dict | None = None, **optimizer) -> RunSpec:
-    opt = {"name": "adamw", "lr": 1e-2, "mode": "sync", "accumulate": 1, "clip_norm": 1.0} | optimizer
-    model = {"vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 16}
-    return RunSpec.from_dict(
-        {
-            "run_id": run_id,
-            "model": model if subspace is None else model | {"subspace": subspace},
-            "stages": stages,
-            "codecs": {"activations": "none", "gradients": "none"},
-            "optimizer": opt,
-            "averaging": {},
-            "micro_batch_size": 2,
-            "stash_ttl_s": 30,
-        }
-    )
-
-
-class Driver:
-    """A minimal trainer: bootstrap DHT, spec publisher, report sink, and micro-batch sender."""
-
-    _ids = itertools.count()
-
-    def __init__(self, spec: RunSpec):
-        self.spec = spec
-        self.reports: asyncio.Queue[tuple[Report, bytes]] = asyncio.Queue()
-        self.dht = None
-        self.p2p = None
-
-    async def start(self) -> None:
-        self.dht = await asyncio.to_thread(start_dht, DHTConfig())
-        self.membership = Membership(self.dht, self.spec.run_id)
-        await asyncio.to_thread(self.membership.publish_spec, self.spec)
-        self.p2p = await self.dht.replicate_p2p()
-
-        async def on_report(message: Message, remote) -> dict:
-            await self.reports.put((Report.from_wire(message.header), message.payload))
-            return {}
-
-        await serve(self.p2p, REPORT, on_report)
-
-    @property
-    def peer_id(self) -> str:
-        return self.dht.peer_id.to_base58()
-
-    def maddrs(self) -> tuple[str, ...]:
-        return tuple(visible_maddrs(self.dht))
-
-    async def shutdown(self) -> None:
-        if self.dht is not None:
-            await asyncio.to_thread(self.dht.shutdown)
-
-    def header(self, route, tokens, targets, mode="train") -> ForwardHeader:
-        return ForwardHeader(
-            run_id=self.spec.run_id,
-            spec_hash=self.spec.spec_hash,
-            mb_id=f"drv:{next(self._ids)}",
-            stage=0,
-            route=tuple(route),
-            trainer=self.peer_id,
-            mode=mode,
-            batch=tokens.shape[0],
-            seq=tokens.shape[1],
-            tokens=pack_tokens(tokens),
-            targets=b"" if targets is None else pack_tokens(targets),
-        )
-
-    async def send(self, route, tokens, targets, mode="train") -> str:
-        h = self.header(route, tokens, targets, mode)
-        await call(self.p2p, route[0], FORWARD, Message(h.to_wire()), timeout_s=10)
-        return h.mb_id
-
-    async def wait_reports(
-        self, mb_id: str, kinds: set[str], timeout_s: float = 20
-    ) -> dict[str, tuple[Report, bytes]]:
-        got: dict[str, tuple[Report, bytes]] = {}
-        async with asyncio.timeout(timeout_s):
-            while not kinds <= set(got):
-                report, payload = await self.reports.get()
-                assert report.kind != "failed", report.reason
-                if report.mb_id == mb_id:
-                    got[report.kind] = (report, payload)
-        return got
-
-
-def peer_config(driver: Driver, stage, **kw) -> PeerConfig:
-    base = dict(
-        initial_peers=driver.maddrs(),
-        run_id=driver.spec.run_id,
-        stage=stage,
-        device="cpu",
-        throughput=1000.0,
-        announce_period_s=0.5,
-        spec_timeout_s=10,
-        request_timeout_s=10,
-        state_timeout_s=10,
-        averaging_matchmaking_s=1.0,
-        drain_timeout_s=5,
-    )
-    return PeerConfig(**(base | kw))
-
-
-async def start_peers(driver: Driver, configs: list[PeerConfig], peers: list[StagePeer]) -> None:
-    for cfg in configs:
-        p = StagePeer(cfg)
-        peers.append(p)  # appended before start so `finally` shuts it down even if start fails
-        await p.start()
-
-
-async def stop_all(peers: list[StagePeer], driver: Driver) -> None:
-    for p in reversed(peers):
-        await p.shutdown()
-    await driver.shutdown()
-
-
-def _batch(seed: int, spec: RunSpec):
-    g = torch.Generator().manual_seed(seed)
-    data = torch.randint(
-        0, spec.model.vocab_size, (spec.micro_batch_size, spec.model.seq_len + 1), generator=g
-    )
-    return data[:, :-1], data[:, 1:]
 
 
 @pytest.mark.parametrize("subspace", [None, {"rank": 8}], ids=["dense", "subspace"])
@@ -179,7 +44,7 @@ def test_three_stage_route_equals_whole_model(tmp_path, subspace):
             ref = build_model(spec)
             ref_opts = [StageOptimizer(dict(st.named_parameters()), spec.optimizer) for st in ref.stages]
             for step in range(2):
-                tokens, targets = _batch(step, spec)
+                tokens, targets = batch(step, spec)
                 mb = await driver.send(route, tokens, targets)
                 got = await driver.wait_reports(mb, {"loss", "done"})
                 # reference: the whole model, one step per stage with the same optimizer rules
@@ -201,7 +66,8 @@ def test_three_stage_route_equals_whole_model(tmp_path, subspace):
                         for n, p in ps.items():
                             p.copy_(new[n])
                             p.grad = None
-                await asyncio.sleep(0.2)  # the step happens right after each peer's backward
+                # the step happens right after each peer's backward
+                await until(lambda n=step + 1: all(p.version == n for p in peers), 10, f"step {step + 1}")
                 for s, peer in enumerate(peers):
                     assert peer.version == step + 1
                     for n, t in peer.compute.params().items():
@@ -211,7 +77,7 @@ def test_three_stage_route_equals_whole_model(tmp_path, subspace):
                         torch.testing.assert_close(t, params[s][n].detach(), rtol=1e-4, atol=atol)
 
             # eval and generate run with the updated weights
-            tokens, targets = _batch(7, spec)
+            tokens, targets = batch(7, spec)
             with torch.no_grad():
                 logits = ref(tokens)
             mb = await driver.send(route, tokens, targets, mode="eval")
@@ -241,7 +107,7 @@ def test_refusals_and_failed_hop_reports():
             await driver.start()
             await start_peers(driver, [peer_config(driver, 0), peer_config(driver, 1)], peers)
             route = [p.peer_id for p in peers]
-            tokens, targets = _batch(0, spec)
+            tokens, targets = batch(0, spec)
             act = get_codec("none")
 
             async def fwd1(payload: bytes, **over):
@@ -279,7 +145,7 @@ def test_refusals_and_failed_hop_reports():
             # a route whose stage 1 is a peer that does not serve stages: stage 0 reports the broken hop
             bad_route = [route[0], driver.peer_id]
             mb = await driver.send(bad_route, tokens, targets)
-            async with asyncio.timeout(15):
+            async with time_limit(15):
                 while True:
                     report, _ = await driver.reports.get()
                     if report.mb_id == mb:
@@ -310,10 +176,10 @@ def test_async_pipeline_with_many_micro_batches_in_flight():
             n = 8
             sent = set()
             for i in range(n):  # all in flight at once: stage 0 steps while older ones await backward
-                tokens, targets = _batch(i, spec)
+                tokens, targets = batch(i, spec)
                 sent.add(await driver.send(route, tokens, targets))
             done: dict[str, Report] = {}
-            async with asyncio.timeout(30):
+            async with time_limit(30):
                 while len(done) < n:
                     report, _ = await driver.reports.get()
                     assert report.kind != "failed", report.reason

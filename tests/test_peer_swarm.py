@@ -1,12 +1,11 @@
 """Several peers per stage on loopback: replicas stepping as one, state download for a joining peer, rebalancing.
 
-Reuses the driver of ``test_peer_pipeline`` (bootstrap DHT + report sink + micro-batch sender).
+Uses the driver of ``tests/helpers.py`` (bootstrap DHT + report sink + micro-batch sender).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -14,23 +13,9 @@ import torch
 from peer import StagePeer
 from peer.compute import StageCompute
 from swarm.run.spec import RunSpec
-from tests.test_peer_pipeline import Driver, _batch, peer_config, start_peers, stop_all
+from tests.helpers import Driver, batch, peer_config, spec_for, start_peers, stop_all, train, until
 
 pytestmark = pytest.mark.slow
-
-
-def spec_for(run_id: str, stages: int, accumulate: int = 1) -> RunSpec:
-    return RunSpec.from_dict(
-        {
-            "run_id": run_id,
-            "model": {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
-            "stages": stages,
-            "codecs": {"activations": "none", "gradients": "none"},
-            "optimizer": {"name": "adamw", "lr": 1e-2, "mode": "async", "accumulate": accumulate},
-            "averaging": {"timeout_s": 8},
-            "micro_batch_size": 2,
-        }
-    )
 
 
 def distance(a: StagePeer, b: StagePeer) -> float:
@@ -38,26 +23,11 @@ def distance(a: StagePeer, b: StagePeer) -> float:
     return float(torch.sqrt(sum(((pa[n] - pb[n]) ** 2).sum() for n in pa)))
 
 
-async def train(driver: Driver, route: list[str], seeds) -> None:
-    for seed in seeds:
-        tokens, targets = _batch(seed, driver.spec)
-        mb = await driver.send(route, tokens, targets)
-        await driver.wait_reports(mb, {"loss", "done"})
-
-
-async def until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.1)
-
-
 def single_process_step(spec: RunSpec, seeds) -> dict[str, torch.Tensor]:
     """The weights one process reaches with the same micro-batches in one step (no network)."""
     comp = StageCompute(spec, 0)
     for i, seed in enumerate(seeds):
-        tokens, targets = _batch(seed, spec)
+        tokens, targets = batch(seed, spec)
         comp.forward(f"ref{i}", tokens, "train", targets=targets)
     assert comp.version == 1
     return comp.params()

@@ -37,7 +37,7 @@ FINE_TUNE = {
 
 def test_peers_start_from_weights_checked_against_the_spec(tmp_path):
     from peer import StagePeer
-    from tests.test_peer_pipeline import Driver, peer_config, start_peers, stop_all
+    from tests.helpers import Driver, peer_config, start_peers, stop_all
 
     ckpt = make_toy_llama(tmp_path / "ckpt", ToyLlama(n_kv_heads=2))
     other = make_toy_llama(tmp_path / "other", ToyLlama(n_kv_heads=2, seed=7))

@@ -26,7 +26,7 @@ from swarm.tools.export import ExportConfig, export_run, load_model
 from swarm.tools.generation import GenerateConfig, generate_async
 from swarm.tools.status import gather_run_status
 from swarm.wire.protocol import BACKWARD, FORWARD, INFO, REPORT, BackwardHeader, Report
-from tests.test_fuzz_peer import Node, batch, peer_config, private_spec
+from tests.helpers import Node, batch, peer_config, private_spec, time_limit
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ async def train(node: Node, route: list[str], n: int, seed: int = 0) -> list[flo
         h = node.header(route, tokens, targets)
         await node.call(route[0], FORWARD, h.to_wire())
         sent.append(h.mb_id)
-    async with asyncio.timeout(60):
+    async with time_limit(60):
         while len(done) < n or len(losses) < n:
             r: Report = await node.reports.get()
             assert r.kind != "failed", r.reason
@@ -67,11 +67,11 @@ def test_outsiders_are_refused_and_insiders_train():
             await insider.start()
             # a peer without the secret, or with a wrong one, does not start
             for bad, pattern in ((None, "is private"), (generate_secret(), "does not match")):
-                p = StagePeer(peer_config(insider, 0, bad))
+                p = StagePeer(peer_config(insider, 0, secret=bad))
                 with pytest.raises(ConfigError, match=pattern):
                     await p.start()
             for stage in (0, 1):
-                p = StagePeer(peer_config(insider, stage, secret))
+                p = StagePeer(peer_config(insider, stage, secret=secret))
                 peers.append(p)
                 await p.start()
             route = [p.peer_id for p in peers]
@@ -100,7 +100,7 @@ def test_outsiders_are_refused_and_insiders_train():
                 assert await asyncio.to_thread(node.membership.announce, record, 60.0)
             raw = insider.membership.for_run(spec.run_id)  # a view without access rules
             raw.spec, raw.spec_hash = spec, spec.spec_hash
-            async with asyncio.timeout(20):
+            async with time_limit(20):
                 while len(await asyncio.to_thread(raw.stage_records, 0)) < 3:
                     await asyncio.sleep(0.2)
             rejected = insider.membership.rejected
@@ -152,7 +152,7 @@ def test_outsiders_are_refused_and_insiders_train():
             assert after[0][1] - before[0][1] == 2 * 3 + 1 and after[1][1] - before[1][1] == 2 * 2 + 1
 
             # --- state download: an insider joiner gets the weights, an outsider gets nothing
-            joiner = StagePeer(peer_config(insider, 0, secret))
+            joiner = StagePeer(peer_config(insider, 0, secret=secret))
             peers.append(joiner)
             await joiner.start()
             assert joiner.loaded_from == "peer" and joiner.version == peers[0].version
@@ -197,7 +197,7 @@ def test_the_trainer_trains_a_private_run_with_its_secret(tmp_path):
         try:
             await owner.start()
             for stage in (0, 1):
-                p = StagePeer(peer_config(owner, stage, secret))
+                p = StagePeer(peer_config(owner, stage, secret=secret))
                 peers.append(p)
                 await p.start()
 

@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_reap_children_kills_a_stubborn_child_so_the_process_can_exit():
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
     try:
@@ -47,6 +48,7 @@ def test_reap_children_kills_a_stubborn_child_so_the_process_can_exit():
     assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.integration
 def test_sigterm_interrupts_a_command_like_ctrl_c():
     code = "from swarm.dht.processes import terminate_as_interrupt\nimport os, signal, time\nterminate_as_interrupt()\n"
     code += "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\nexcept KeyboardInterrupt:\n    print('cleaned up')\n"
@@ -54,6 +56,7 @@ def test_sigterm_interrupts_a_command_like_ctrl_c():
     assert out.stdout.strip() == "cleaned up"
 
 
+@pytest.mark.integration
 def test_remove_stale_sockets_removes_only_files_nobody_listens_on():
     import socket
     import tempfile
@@ -106,6 +109,7 @@ ORPHAN_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_a_sigkilled_process_leaves_no_dht_averager_or_p2pd_behind():
     env = dict(os.environ, HIVEMIND_LOGLEVEL="ERROR")
     proc = subprocess.Popen(

@@ -7,22 +7,15 @@ import time
 
 import pytest
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.dht import records as R
 from swarm.errors import ConfigError, RecordError
 from swarm.version import __version__
+from tests.helpers import make_owner
 
 SPEC_HASH = "0123456789abcdef"
-
-
-def make_owner() -> tuple[rsa.RSAPrivateKey, bytes, str]:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    ssh = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    marker = b"[owner:" + ssh + b"]"
-    return key, marker, R.peer_id_from_ssh_public_key(ssh)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from swarm.dht.snapshots import (
 )
 from swarm.errors import ConfigError, RecordError
 from swarm.tools.keeper import KeeperConfig
-from tests.test_records import make_owner
+from tests.helpers import make_owner
 
 SPEC_HASH = "0123456789abcdef"
 

@@ -186,6 +186,7 @@ def test_basis_and_fixed_embedding_depend_on_seed_only():
         subspace_basis(RunSpec.from_dict(spec_dict()))
 
 
+@pytest.mark.integration
 def test_same_basis_in_another_process_on_any_cpu():
     """A fresh process whose torch kernels take the plain (non-SIMD) code paths builds the same U
     and E_fix bit for bit (see Note [portable basis])."""
