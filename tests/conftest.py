@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import os
+import platform
 import socket
 import subprocess
 import time
@@ -153,6 +154,7 @@ def unit_tests_stay_in_process(request: pytest.FixtureRequest, monkeypatch: pyte
 
             return refused
 
+        platform.processor()  # runs `uname -p` once per process (then cached): not the test's subprocess
         monkeypatch.setattr(socket.socket, "bind", refuse("binds a socket"))
         monkeypatch.setattr(socket.socket, "connect", refuse("connects a socket"))
         monkeypatch.setattr(socket.socket, "connect_ex", refuse("connects a socket"))

@@ -96,6 +96,7 @@ def test_optimizer_choice_parses_overrides_and_names_the_rule():
         OptimizerChoice.parse("muon:0.02")
 
 
+@pytest.mark.integration
 def test_replay_end_to_end_on_a_tiny_run(tmp_path, capsys):
     spec = tmp_path / "tiny.json"
     spec.write_text(json.dumps(TINY))

@@ -132,6 +132,7 @@ def test_read_message_checks_sizes():
         asyncio.run(read_message(_collect(garbage)))
 
 
+@pytest.mark.integration
 def test_loopback_round_trip_and_refusal():
     async def main():
         server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
