@@ -20,6 +20,7 @@ import itertools
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import torch
 from cryptography.hazmat.primitives import serialization
@@ -35,27 +36,27 @@ from swarm.wire.protocol import FORWARD, REPORT, ForwardHeader, Message, Report,
 
 # ------------------------------------------------------------------------------------- waiting
 
+T = TypeVar("T")
 
-def wait_until(
-    predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.05
-) -> None:
-    """Return as soon as ``predicate()`` is true; fail naming ``what`` after ``timeout_s``."""
+
+def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """``predicate()``'s first true value; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not (value := predicate()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+    return value
 
 
-async def until(
-    predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.1
-) -> None:
+async def until(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.1) -> T:
     """``wait_until`` for coroutines: the event loop keeps running while the condition is polled."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not (value := predicate()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(interval_s)
+    return value
 
 
 @contextlib.asynccontextmanager

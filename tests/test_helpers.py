@@ -41,13 +41,13 @@ def test_time_limit_lets_a_cancellation_from_elsewhere_through():
 
 def test_waits_return_once_the_condition_holds_and_fail_naming_it():
     calls = itertools.count()
-    wait_until(lambda: next(calls) >= 3, 5, "three polls", interval_s=0)
+    assert wait_until(lambda: next(calls) >= 3 and "the value", 5, "three polls", interval_s=0) == "the value"
     with pytest.raises(AssertionError, match="waiting for the impossible"):
         wait_until(lambda: False, 0.05, "the impossible", interval_s=0.01)
 
     async def main():
         ticks = itertools.count()
-        await until(lambda: next(ticks) >= 3, 5, "three polls", interval_s=0)
+        assert await until(lambda: next(ticks) >= 3 and 7, 5, "three polls", interval_s=0) == 7
         with pytest.raises(AssertionError, match="after 0.05 s waiting for nothing"):
             await until(lambda: False, 0.05, "nothing", interval_s=0.01)
 

@@ -398,9 +398,9 @@ def test_monitor_page_of_a_live_swarm_in_a_headless_browser(tmp_path):
 
         # A trainer's loss falls while the monitor polls: the monitor keeps the curve itself (each
         # value is published once the monitor has sampled the one before, so every one is a point).
-        def samples() -> int:
+        def last_tokens() -> int | None:
             runs = monitor.state.snapshot()["runs"]
-            return len(runs[0]["history"]) if runs else 0
+            return runs[0]["history"][-1]["tokens"] if runs and runs[0]["history"] else None
 
         for i in range(6):
             a.publish_progress(
@@ -410,14 +410,13 @@ def test_monitor_page_of_a_live_swarm_in_a_headless_browser(tmp_path):
                 loss=5.5 - 0.4 * i,
                 tokens_per_s=900.0 + 40 * i,
             )
-            wait_until(lambda n=i + 1: samples() >= n, 30, f"the monitor's sample {i + 1}")
+            wait_until(lambda n=8192 * (i + 1): last_tokens() == n, 30, f"the monitor's sample {i + 1}")
 
         def seen() -> dict | None:
             runs = json.loads(_get(monitor.url + "api/status")[2])["runs"]
             return runs[0] if runs and len(runs[0]["history"]) >= 4 and runs[0]["peers"] == 3 else None
 
-        wait_until(seen, 30, "the monitor to see the swarm's 3 peers")
-        run = seen()
+        run = wait_until(seen, 30, "the monitor to see the swarm's 3 peers")
         assert run["uncovered_stages"] == [2]
         assert {p["peer_id"] for p in run["stages"][0]["peers"]} == {a.peer_id, c.peer_id}
         assert [p["peer_id"] for p in run["stages"][1]["peers"]] == [b.peer_id]
