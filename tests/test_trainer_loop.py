@@ -301,8 +301,8 @@ def test_peer_dying_with_work_queued_closes_all_its_attempts_at_once(tmp_path):
     summary = asyncio.run(main())
     mb = summary["micro_batches"]
     assert mb["completed"] == 10 and mb["failures_by_reason"] == {"unreachable": mb["failed_attempts"]}
+    # no 60 s deadline was waited for: the run ended within wait_for's 30 s, and no attempt timed out
     assert mb["failed_attempts"] >= 2 and "timeout" not in mb["failures_by_reason"]
-    assert summary["wall_s"] < 20  # no 60 s deadline was waited for
 
 
 def test_silent_peer_times_out_and_micro_batches_are_resent(tmp_path):
