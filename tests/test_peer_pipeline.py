@@ -224,9 +224,7 @@ def test_a_peer_whose_loop_keeps_crashing_stops_and_announces_leaving(monkeypatc
             p._expiry_loop = crashing_expiry  # the loop the owner starts (and restarts)
             peers.append(p)
             await p.start()
-            async with asyncio.timeout(20):
-                while p.state != "stopped":
-                    await asyncio.sleep(0.05)
+            await until(lambda: p.state == "stopped", 20, "the peer to stop", interval_s=0.05)
             assert p.crashed == "expiry" and len(runs) == 2  # the first run and one restart
             records = await asyncio.to_thread(driver.membership.stage_records, 0)
             assert records[p.peer_id].state == "leaving"
