@@ -110,6 +110,7 @@ def test_help_comes_from_the_field_docstrings_and_defaults(capsys):
     assert "Seconds between announcements and rebalancing checks (jittered by +-20 %) (default 5.0)" in text
 
 
+@pytest.mark.integration
 def test_a_run_of_one_command_does_not_import_the_others_configs():
     code = (
         "import sys; from swarm.cli.main import build_parser; build_parser(only='codecs');"
