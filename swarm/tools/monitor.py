@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from swarm.dht.keys import check_run_id
 from swarm.dht.network import DHTConfig
-from swarm.dht.records import check_run_id
 from swarm.errors import ConfigError, SwarmError
 from swarm.tools.monitor_chart import PALETTE, line_chart_svg
 from swarm.tools.monitor_metrics import render_prometheus
