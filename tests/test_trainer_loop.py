@@ -472,7 +472,7 @@ def test_a_retry_after_a_backward_failure_is_not_counted_again_at_later_stages(t
     assert sum(1 for v in sim.counted_from.values() if v < 0) == 6  # first attempts and the rest
 
 
-# ---- failure detection (note "failure detection" in swarm/train/trainer.py) ---------------------------
+# ---- failure detection (note "failure detection" in swarm/train/probing.py) ---------------------------
 
 QUICK = LivenessConfig(
     silence_s=0.05, probe_every_s=0.02, initial_rto_s=0.3, min_rto_s=0.1, recheck_s=0.05, dead_hold_s=5.0
@@ -555,7 +555,7 @@ def test_sync_mode_does_not_stall_when_a_peer_dies_with_its_window(tmp_path):
     assert set(summary["micro_batches"]["failures_by_reason"]) == {"unreachable"}
 
 
-# ---- resume (note "resume" in swarm/train/trainer.py) -------------------------------------------------
+# ---- resume (note "resume" in swarm/train/resume.py) --------------------------------------------------
 
 
 def killed_at(trainer: Trainer, sim: SimSwarm, spec: RunSpec, step: int) -> None:

@@ -4,7 +4,7 @@ A micro-batch in flight sits somewhere on its route: queued or computing on a pe
 one peer to the next (the sender keeps it until the next hop acknowledges), or waiting in a peer's
 stash for its backward. When a peer dies, what it held is gone, and waiting for a deadline would
 stall the run for as long as the deadline's margin. This module decides, from what the trainer
-hears, when to look and what an answer means; ``swarm/train/trainer.py`` does the sending.
+hears, when to look and what an answer means; ``swarm/train/probing.py`` does the sending.
 
 Liveness (note "liveness probes")
 ---------------------------------

@@ -210,7 +210,7 @@ class ForwardHeader:
     # stage copies them into its report so the trainer can account bytes per link.
     stats: dict[str, float] = field(default_factory=dict)
     # a retry of a micro-batch whose earlier attempt's backward already added its gradient at stages
-    # >= counted_from (note "counted stages" in swarm/train/trainer.py): those stages run it without adding
+    # >= counted_from (note "counted stages" in swarm/train/loop.py): those stages run it without adding
     # the gradient again. -1: no stage has counted it.
     counted_from: int = -1
     # sync mode: the trainer's step this micro-batch belongs to (-1: async). A replica that sees a newer
