@@ -253,6 +253,25 @@ def test_sync_mode_sends_accumulate_then_waits(tmp_path):
     assert sim.max_inflight_seen == 3  # never more than one window of `accumulate` in the swarm
 
 
+def test_a_report_callback_only_records_it_and_the_loop_closes_the_steps(tmp_path):
+    """Nothing changes under the link's callback: the ledger and the steps move when the loop reacts."""
+    spec = make_spec(accumulate=2)
+    trainer = Trainer(config(tmp_path, steps=4, max_inflight=2))
+
+    class Watched(SimSwarm):
+        unchanged: list[bool] = []
+
+        def _report(self, mb_id: str, kind: str, stage: int, peer: str, **kw) -> None:
+            before = (trainer.ledger.totals(), trainer.step)
+            super()._report(mb_id, kind, stage, peer, **kw)
+            self.unchanged.append(before == (trainer.ledger.totals(), trainer.step))
+
+    sim = Watched(spec, {0: ["a0"], 1: ["a1"]})
+    summary = run(trainer, sim, spec)
+    assert summary["steps"] == 4 and summary["micro_batches"]["completed"] == 8
+    assert len(sim.unchanged) >= 16 and all(sim.unchanged)  # a loss and a done per micro-batch
+
+
 def test_dead_peer_is_routed_around_and_everything_is_accounted(tmp_path):
     spec = make_spec()
     sim = SimSwarm(spec, {0: ["a0", "b0"], 1: ["a1", "b1"]})
