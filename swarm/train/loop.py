@@ -190,13 +190,13 @@ class TrainLoop:
     async def _pump(self, finished: Callable[[], bool], *, show: bool) -> None:
         """Turn until ``finished()``; new training micro-batches open only until the policy is done."""
         while True:
+            now = self.clock()
             self._react()
+            self.failures.expire(now)
+            self._settle()
             if finished():
                 return
             self._raise_errors()
-            now = self.clock()
-            self.failures.expire(now)
-            self._settle()
             if self.prober.enabled and now >= self.prober.next_tick:
                 self.prober.tick(now, self.tasks, self.inbox)
             self.failures.flush_cancels(self.link, self.tasks)
