@@ -17,7 +17,7 @@ thread runs); and the objects ``Admission`` (peer/admission.py: access gate, que
 trainers that vanish) and ``TaskOwner`` (peer/tasks.py: every background task; a crashed loop is
 restarted or stops the peer, and says so). The parts share the peer's state (``__init__`` lists it).
 
-Concurrency (one model per process, see STYLE.md): the asyncio loop owns every network call (P2P
+Concurrency (one model per process: a process that serves a stage holds no other model): the asyncio loop owns every network call (P2P
 handlers, sends to the next hop, reports, DHT calls through ``asyncio.to_thread`` into the one
 ``Membership``). Compute runs only in the worker thread of ``peer/runtime.py``; a finished task
 hands its network sends back to the loop (``Outbox.send``). Averaging rounds run in their own

@@ -1,6 +1,6 @@
 """What the compute worker thread runs for a queued FORWARD or BACKWARD, and what it sends on.
 
-Runs only in the worker thread of ``peer/runtime.py`` (one model per process, see STYLE.md); every
+Runs only in the worker thread of ``peer/runtime.py`` (one model per process: a process that serves a stage holds no other model); every
 network send goes back to the event loop through the ``Outbox`` (peer/sends.py). Any failure of a
 task becomes a ``failed`` report to the trainer, never silence.
 

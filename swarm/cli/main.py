@@ -41,12 +41,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"swarmpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"swarm.cli.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"swarm.cli.commands.{name}":
-                continue  # command not built yet
-            raise
+        module = importlib.import_module(f"swarm.cli.commands.{name}")
         if only is not None and name != only and hasattr(module, "SUMMARY"):
             sub.add_parser(name, help=module.SUMMARY)
         else:

@@ -10,7 +10,7 @@ trainer id and data seed, appending to the metrics file. The steps (or tokens) t
 totals as before unless given again. Anything that does not fit (no such directory, no start record, a
 different run, spec, data source or seed, nothing left to do) raises ``ConfigError`` before anything is
 written. Micro-batches the old trainer had in flight are lost with it (their peers drop them: note
-"trainers that vanish" in peer/server.py).
+"trainers that vanish" in peer/trainers.py).
 """
 
 from __future__ import annotations
