@@ -20,6 +20,10 @@ own DHT, averager and p2pd in order), then its whole process group gets SIGKILL 
 (whatever is left, also of a peer killed by chaos); the bootstrap and trainer DHTs are shut down.
 SIGTERM to the demo itself is turned into ``KeyboardInterrupt`` so the same ``finally`` runs for
 Ctrl-C and for ``kill``.
+
+(Over 400 lines on purpose: one object, ``Demo``, owns a local swarm's whole life -- start, train,
+chaos, summary, shutdown -- and the benchmarks drive exactly that object; its peer processes are
+the only other class, and they are nothing without it.)
 """
 
 from __future__ import annotations
