@@ -16,6 +16,7 @@ def cfg(**kw) -> PeerConfig:
 
 def test_peer_config_checks_and_normalises():
     assert cfg(stage="2").stage == 2
+    assert cfg(emulate_compute_s=[0.04, 0]).emulate_compute_s == (0.04, 0.0)
     assert cfg().rebalancing and not cfg(stage=1).rebalancing and cfg(stage=1, rebalance=True).rebalancing
     assert cfg(initial_peers="/ip4/127.0.0.1/tcp/1/p2p/x").initial_peers == ("/ip4/127.0.0.1/tcp/1/p2p/x",)
     for bad in (
@@ -24,6 +25,8 @@ def test_peer_config_checks_and_normalises():
         {"stage": True},
         {"device": "tpu"},
         {"slowdown_s": -0.1},
+        {"emulate_compute_s": (0.04,)},
+        {"emulate_compute_s": (0.04, -1.0)},
         {"announce_period_s": 0},
         {"max_queue": 0},
         {"throughput": float("nan")},
