@@ -14,7 +14,7 @@ tokens/s over the ideal ``tokens per micro-batch / (F+B)`` of one always-busy st
 M/(M+S-1). The asynchronous swarm fills the pipeline once per run (n micro-batches: n/(n+S-1)).
 
 Measured per run: tokens/s (steady: after the first step; the baseline's median step, the swarm's
-median window of M micro-batches) and each stage's utilisation, its own busy seconds per wall
+tokens from its first step's end to its last) and each stage's utilisation, its own busy seconds per wall
 second -- the ranks count forward and backward time in ``benchmarks/busy.py`` (steps after the
 first), the peers their compute queue's busy seconds (``queue_busy_s`` of their stop line: compute,
 codec, sends) over the trainer's whole run (first micro-batch to last step, so the swarm's one fill
@@ -50,7 +50,15 @@ from benchmarks.markdown import write_section
 from benchmarks.report import cell, machine_info
 from swarm.errors import ConfigError, SwarmError
 
-__all__ = ["BubblesConfig", "SYSTEMS", "bubble_fraction", "bubble_spec", "run_all", "markdown_section"]
+__all__ = [
+    "BubblesConfig",
+    "SYSTEMS",
+    "bubble_fraction",
+    "bubble_spec",
+    "peer_counters",
+    "run_all",
+    "markdown_section",
+]
 
 SYSTEMS = ("gpipe", "1f1b", "swarm sync", "swarm async")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -188,10 +196,16 @@ def run_swarm(cfg: BubblesConfig, stages: int, n_micro: int, mode: str, work: Pa
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     records = read_metrics(work / "train" / "metrics.jsonl")
+    # steady: tokens per second from the end of the first step to the last (one window: a short one
+    # can end on a burst of completions, faster than any stage can go)
     fig = swarm_figures(
-        records, summary, tokens_per_mb=spec.tokens_per_micro_batch, warmup_mb=n_micro, window_mb=n_micro
+        records,
+        summary,
+        tokens_per_mb=spec.tokens_per_micro_batch,
+        warmup_mb=n_micro,
+        window_mb=cfg.micro_batches + 1,
     )
-    busy = peer_busy_seconds(demo.logs, stages)
+    busy = [c.get("queue_busy_s") for c in peer_counters(demo.logs, stages)]
     train_s = fig["train_s"]
     return {
         "tokens_per_s": fig["tokens_per_s"],
@@ -204,15 +218,16 @@ def run_swarm(cfg: BubblesConfig, stages: int, n_micro: int, mode: str, work: Pa
     }
 
 
-def peer_busy_seconds(logs: Path, stages: int) -> list[float | None]:
-    """Each stage's ``queue_busy_s`` from its peer's stop line (``peer/server.py``: counters at shutdown)."""
-    out: list[float | None] = []
+def peer_counters(logs: Path, stages: int) -> list[dict[str, float]]:
+    """Each stage's counters from its peer's stop line (``peer/server.py`` logs ``stats()`` at shutdown;
+    the last line of the stage's logs; {} when none was written)."""
+    out: list[dict[str, float]] = []
     for s in range(stages):
-        busy = None
+        counters: dict[str, float] = {}
         for path in sorted(logs.glob(f"peer-s{s}-*.log")):
             for m in _STOPPING.finditer(path.read_text(errors="replace")):
-                busy = json.loads(m.group(1)).get("queue_busy_s")
-        out.append(busy)
+                counters = json.loads(m.group(1))
+        out.append(counters)
     return out
 
 
