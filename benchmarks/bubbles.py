@@ -18,7 +18,8 @@ tokens from its first step's end to its last) and each stage's utilisation, its 
 second -- the ranks count forward and backward time in ``benchmarks/busy.py`` (steps after the
 first), the peers their compute queue's busy seconds (``queue_busy_s`` of their stop line: compute,
 codec, sends) over the trainer's whole run (first micro-batch to last step, so the swarm's one fill
-and drain are in it). One peer per stage, codecs ``none``, AdamW, loopback.
+and drain are in it). One peer per stage, codecs ``none``, AdamW, loopback; the async swarm keeps
+2S micro-batches in flight (and the weight versions that takes, see :func:`bubble_spec`).
 
 Run::
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -77,7 +79,7 @@ class BubblesConfig:
     """Per run (a multiple of every M): the swarm trains this many, the baseline this many / M steps."""
     systems: tuple[str, ...] = SYSTEMS
     max_inflight: int | None = None
-    """Micro-batches in flight in the swarm (None = max(M, 2 S)); kept fixed (no pacing)."""
+    """Micro-batches in flight in the swarm (None = max(M, 2S)); kept fixed (no pacing)."""
     start_timeout_s: float = 180.0
     run_timeout_s: float = 600.0
 
@@ -100,7 +102,11 @@ def bubble_fraction(stages: int, n_micro: int) -> float:
 
 
 def bubble_spec(stages: int, n_micro: int, mode: str) -> Any:
-    """A tiny model (its real compute a few ms) split into ``stages``, ``accumulate = n_micro``."""
+    """A tiny model (its real compute a few ms) split into ``stages``, ``accumulate = n_micro``.
+
+    Async mode keeps 2 + ceil(2S/M) weight versions: a trainer keeps (versions - 2) x M + 1 micro-batches
+    in flight through a peer (note "staleness cap", swarm/client/routing.py), so 2S fit, enough to keep
+    every stage busy (the default 3 versions would cap M = 2 at 3 in flight, fewer than 4 stages)."""
     from swarm.run.spec import RunSpec
 
     return RunSpec.from_dict(
@@ -110,7 +116,14 @@ def bubble_spec(stages: int, n_micro: int, mode: str) -> Any:
             "model": {"vocab_size": 256, "d_model": 32, "n_layers": 4, "n_heads": 2, "seq_len": 16},
             "stages": stages,
             "codecs": {"activations": "none", "gradients": "none"},
-            "optimizer": {"name": "adamw", "lr": 1e-3, "clip_norm": 1.0, "accumulate": n_micro, "mode": mode},
+            "optimizer": {
+                "name": "adamw",
+                "lr": 1e-3,
+                "clip_norm": 1.0,
+                "accumulate": n_micro,
+                "mode": mode,
+                "max_versions": 2 + math.ceil(2 * stages / n_micro),
+            },
             "micro_batch_size": 2,
         }
     )

@@ -87,7 +87,15 @@ def check_spec(*, tiny: bool, autocast: str = "auto") -> Any:
             "model": model,
             "stages": stages,
             "codecs": {"activations": "blockwise8", "gradients": "blockwise8"},
-            "optimizer": {"name": "adamw", "lr": 3e-4, "clip_norm": 1.0, "accumulate": 4, "mode": "async"},
+            # 4 weight versions: the staleness cap lets 2 x 4 + 1 micro-batches through a peer, so 2S fit
+            "optimizer": {
+                "name": "adamw",
+                "lr": 3e-4,
+                "clip_norm": 1.0,
+                "accumulate": 4,
+                "mode": "async",
+                "max_versions": 4,
+            },
             "micro_batch_size": batch,
             "autocast": autocast,
         }
