@@ -1,3 +1,4 @@
+# ~490 lines (over ~400): the runs, the theory and the report of one benchmark share its config and rows.
 """Pipeline bubbles, shown honestly: GPipe, 1F1B and the swarm's sync and async modes with emulated compute.
 
 On this machine every stage process shares 2 cores, so a synchronous schedule's idle bubbles are
