@@ -289,6 +289,7 @@ def run_all(
             report["results"].append(res)
             out.write_text(json.dumps(report, indent=1, default=str))
     report["wall_min"] = (time.perf_counter() - t0) / 60
+    report["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     report["plot"] = plot(report, results_dir / f"{name}.png")
     out.write_text(json.dumps(report, indent=1, default=str))
     return report
@@ -366,8 +367,9 @@ def markdown_section(report: dict[str, Any]) -> str:
     lines = [
         SECTION,
         "",
-        f"Machine: {mach['cpu']}, {mach['cpu_count']} cores, torch {mach['torch']}; {report['started']}, "
-        f"{report.get('wall_min', 0):.0f} min. Command: `{report['command']}`.",
+        f"Machine: {mach['cpu']}, {mach['cpu_count']} cores (load average {mach['load_start']} at the start, "
+        f"{report.get('load_end', '-')} at the end: other work shared the cores), torch {mach['torch']}; "
+        f"{report['started']}, {report.get('wall_min', 0):.0f} min. Command: `{report['command']}`.",
         "",
         f"Each micro-batch occupies a stage {f_ms:g} ms forward and {b_ms:g} ms backward (emulated compute: the "
         "real compute of a tiny model, the rest slept, CPU-free like a GPU; `peer/compute.py`, "
@@ -406,7 +408,15 @@ def markdown_section(report: dict[str, Any]) -> str:
             lines.append(f"| {s} | {m} | {utils} |")
     if report.get("plot"):
         lines += ["", f"![efficiency against M](benchmarks/results/{Path(report['plot']).name})"]
-    lines += ["", "Reading: " + reading(report)]
+    lines += [
+        "",
+        "Reading: " + reading(report),
+        "",
+        "What this leaves out: a real accelerator's time per micro-batch varies, and the swarm's per-hop "
+        "overhead (asyncio, hivemind's p2p daemon, a process per peer) is real CPU time on shared cores, "
+        "hidden here only while the real work stays below F and B; the sync swarm also waits a trainer "
+        "round trip between windows, which the pipelining schedules do not have.",
+    ]
     return "\n".join(lines) + "\n"
 
 
