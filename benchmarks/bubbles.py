@@ -12,7 +12,8 @@ leaves the CPU free, as a GPU kernel would, so a stage is busy exactly while it 
 For S stages and M micro-batches per optimizer step, a synchronous schedule (GPipe, 1F1B, the
 swarm's ``mode: sync``) idles each stage for the fraction (S-1)/(M+S-1) of a step: its efficiency,
 tokens/s over the ideal ``tokens per micro-batch / (F+B)`` of one always-busy stage, is at most
-M/(M+S-1). The asynchronous swarm fills the pipeline once per run (n micro-batches: n/(n+S-1)).
+M/(M+S-1). The asynchronous swarm fills the pipeline once per run and then has no bubble: 1 in
+steady state (n/(n+S-1) over a whole run of n micro-batches).
 
 Measured per run: tokens/s (steady: after the first step; the baseline's median step, the swarm's
 tokens from its first step's end to its last) and each stage's utilisation, its own busy seconds per wall
@@ -74,9 +75,9 @@ class BubblesConfig:
     stages: tuple[int, ...] = (2, 4)
     n_micro: tuple[int, ...] = (2, 4, 8)
     """M: micro-batches per optimizer step (a pipelining step, a swarm step's ``accumulate``)."""
-    emulate_ms: tuple[float, float] = (30.0, 60.0)
+    emulate_ms: tuple[float, float] = (40.0, 80.0)
     """(F, B): the emulated busy milliseconds of a micro-batch's forward and backward on a stage."""
-    micro_batches: int = 64
+    micro_batches: int = 48
     """Per run (a multiple of every M): the swarm trains this many, the baseline this many / M steps."""
     systems: tuple[str, ...] = SYSTEMS
     max_inflight: int | None = None
@@ -301,10 +302,8 @@ def derived(cfg: BubblesConfig, res: dict[str, Any], tokens_per_mb: int) -> dict
     ideal = tokens_per_mb / (sum(cfg.emulate_ms) / 1000)
     tps = res.get("tokens_per_s")
     util = [u for u in res.get("utilisation") or [] if u is not None]
-    if res["system"] == "swarm async":  # one fill and drain per run of n micro-batches
-        theory = cfg.micro_batches / (cfg.micro_batches + s - 1)
-    else:
-        theory = 1 - bubble_fraction(s, m)
+    # async: no bubble per step (after the first one, where the steady rate starts, the pipeline is full)
+    theory = 1.0 if res["system"] == "swarm async" else 1 - bubble_fraction(s, m)
     return {
         "ideal_tokens_per_s": ideal,
         "efficiency": tps / ideal if tps else None,
@@ -376,8 +375,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         "`benchmarks/busy.py`), so the stages do not lend each other their cores. One peer per stage, "
         f"codecs none, {cfg['micro_batches']} micro-batches of {report['tokens_per_mb']} tokens per run. "
         "Efficiency: tokens/s over the ideal of one always-busy stage (tokens per micro-batch / (F+B)); a "
-        "synchronous step's theory is M/(M+S-1) (bubble (S-1)/(M+S-1)), the async swarm's n/(n+S-1) for a "
-        "run of n micro-batches (it fills the pipeline once).",
+        "synchronous step's theory is M/(M+S-1) (bubble (S-1)/(M+S-1)), the async swarm's 1 in steady state "
+        "(it fills the pipeline once per run: n/(n+S-1) over a whole run of n micro-batches).",
         "",
         "| S | M | bubble (S-1)/(M+S-1) | theory, sync | " + " | ".join(cfg["systems"]) + " |",
         "| --- | --- | --- | --- |" + " --- |" * len(cfg["systems"]),
@@ -464,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, nargs="+", default=None)
     parser.add_argument("--n-micro", type=int, nargs="+", default=None)
     parser.add_argument(
-        "--emulate-compute-ms", default=None, metavar="F,B", help="default 30,60 (quick: 20,40)"
+        "--emulate-compute-ms", default=None, metavar="F,B", help="default 40,80 (quick: 20,40)"
     )
     parser.add_argument("--micro-batches", type=int, default=None, help="per run (a multiple of every M)")
     parser.add_argument(
