@@ -99,8 +99,10 @@ class BusyStage(torch.nn.Module):
         since, self._backward_started = self._backward_started, None
         if since is None:  # a backward that did not start at our output (none in a pipeline schedule)
             return
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the gradients are computed when the kernels are done
             torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
         if self.emulate_s is not None:
             self._hold(since, self.emulate_s[1])
         self.busy_s += time.perf_counter() - since
