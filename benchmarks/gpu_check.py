@@ -1,3 +1,4 @@
+# ~440 lines (over ~400): one check in three parts that share its spec and time budget, and their report.
 """The GPU check: a 4-stage swarm of a 152M-parameter model with every peer on one GPU, against torch
 pipelining on the same GPU, and a CUDA route checked against the CPU route in float32.
 
