@@ -291,5 +291,14 @@ def test_emulated_compute_holds_each_micro_batch_for_its_busy_time():
     last = StageCompute(spec(accumulate=1), 1, emulate_s=(0.05, 0.1))
     out = last.forward("a", res.output, "train", targets=tokens(1))
     assert out.compute_s >= 0.15 and out.stepped
+
+
+def test_no_emulated_sleep_without_the_knob(monkeypatch):
+    import peer.compute
+
+    slept = []
+    monkeypatch.setattr(peer.compute.time, "sleep", slept.append)
     plain = StageCompute(spec(accumulate=1), 0)
-    assert plain.forward("a", tokens(0), "eval").compute_s < 0.05  # none without the knob
+    plain.forward("a", tokens(0), "train")
+    plain.backward("a", grad(0))
+    assert slept == []  # time.sleep is the emulation's only sleep here
