@@ -353,9 +353,16 @@ def plot(report: dict[str, Any], path: Path) -> str | None:
     return str(path)
 
 
+def _failed(r: dict[str, Any]) -> str:
+    """A failed run's cell: torch's 1F1B refuses fewer micro-batches than stages, which is no failure."""
+    return (
+        "n/a (M < S)" if "must be greater than or equal to the number of stages" in r["error"] else "failed"
+    )
+
+
 def _utils(r: dict[str, Any] | None) -> str:
     if r is None or r.get("error"):
-        return "failed" if r else "-"
+        return _failed(r) if r else "-"
     return " / ".join(cell(u, ".2f") for u in r.get("utilisation") or [])
 
 
@@ -376,7 +383,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         f"codecs none, {cfg['micro_batches']} micro-batches of {report['tokens_per_mb']} tokens per run. "
         "Efficiency: tokens/s over the ideal of one always-busy stage (tokens per micro-batch / (F+B)); a "
         "synchronous step's theory is M/(M+S-1) (bubble (S-1)/(M+S-1)), the async swarm's 1 in steady state "
-        "(it fills the pipeline once per run: n/(n+S-1) over a whole run of n micro-batches).",
+        "(it fills the pipeline once per run: n/(n+S-1) over a whole run of n micro-batches). torch's "
+        "`Schedule1F1B` refuses M < S (n/a below).",
         "",
         "| S | M | bubble (S-1)/(M+S-1) | theory, sync | " + " | ".join(cfg["systems"]) + " |",
         "| --- | --- | --- | --- |" + " --- |" * len(cfg["systems"]),
@@ -386,7 +394,7 @@ def markdown_section(report: dict[str, Any]) -> str:
             cells = []
             for system in cfg["systems"]:
                 r = _find(report, s, m, system)
-                cells.append("failed" if r and r.get("error") else cell((r or {}).get("efficiency"), ".2f"))
+                cells.append(_failed(r) if r and r.get("error") else cell((r or {}).get("efficiency"), ".2f"))
             lines.append(
                 f"| {s} | {m} | {bubble_fraction(s, m):.2f} | {1 - bubble_fraction(s, m):.2f} | "
                 + " | ".join(cells)
