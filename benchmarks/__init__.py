@@ -13,4 +13,9 @@
 - ``async_replay.py``: a one-peer-per-stage swarm replayed in one process: async vs sync vs one
   process, per stage optimizer (does staleness cost quality?).
 - ``subspace_convergence.py``: subspace-constrained models (k = d/32, d/100) vs. the ordinary model.
+- ``bubbles.py``: pipeline bubbles with emulated compute (each stage owns its time): GPipe, 1F1B and the
+  swarm's sync and async modes, efficiency and utilisation per stage vs. (S-1)/(M+S-1).
+- ``busy.py``: a torch pipelining stage with emulated busy time, a compute device and its busy count.
+- ``gpu_check.py``: a 4-stage 152M swarm on one GPU vs. torch pipelining there, and CUDA vs. CPU numerics
+  (skips without CUDA; ``--device cpu --tiny`` is its dry path).
 """

@@ -13,9 +13,13 @@ Run one baseline on its own (its own lab; ``--loopback`` without root)::
         --n-micro 8 --rate 20mbit
     python -m benchmarks.pipelining_baseline --spec examples/tiny.yaml --schedule gpipe --loopback
 
-``benchmarks/links.py`` calls :func:`run_pipelining` inside its own lab, next to the swarm runs.
+``benchmarks/links.py`` calls :func:`run_pipelining` inside its own lab, next to the swarm runs;
+``benchmarks/bubbles.py`` with emulated compute (``--emulate-compute-ms F,B``: each micro-batch holds a
+stage F ms forward, B ms backward) and ``benchmarks/gpu_check.py`` with the stages on one GPU
+(``--device cuda``); both through ``benchmarks/busy.py``, which also counts each rank's busy seconds.
 Each rank runs ``python -m benchmarks.pipelining_baseline --worker ...`` and writes one JSON file:
-per-step wall times, the last rank's losses, and its peak resident memory (VmHWM).
+per-step wall times and busy seconds, the last rank's losses, its peak resident memory (VmHWM) and,
+on CUDA, its peak GPU memory.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any
 from benchmarks.netlab import Lab, LabError, open_lab
 from swarm.errors import ConfigError
 
-__all__ = ["PipeConfig", "run_pipelining", "peak_rss_bytes", "SCHEDULES"]
+__all__ = ["PipeConfig", "run_pipelining", "peak_rss_bytes", "utilisation", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b")
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +68,11 @@ class PipeConfig:
     """torch threads per rank (OMP_NUM_THREADS); the swarm's stage peers get the same."""
     timeout_s: float = 1800.0
     """Give up (and stop every rank) after this long."""
+    emulate_s: tuple[float, float] | None = None
+    """(forward, backward) seconds each micro-batch occupies a stage at least, the rest slept after the
+    real compute (``benchmarks/busy.py``; the stage peers' ``--emulate-compute-ms``); None = real only."""
+    device: str = "cpu"
+    """Where the stages compute (``cpu``, ``cuda``, ``mps``); tensors cross the pipeline on the host."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -71,6 +80,10 @@ class PipeConfig:
         for name in ("n_micro", "steps", "threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be at least 1")
+        if self.emulate_s is not None:  # JSON (the ranks' copy) turns the pair into a list
+            object.__setattr__(self, "emulate_s", tuple(float(v) for v in self.emulate_s))
+            if len(self.emulate_s) != 2 or min(self.emulate_s) < 0:
+                raise ConfigError(f"emulate_s = {self.emulate_s} must be (forward, backward) seconds >= 0")
         if not 0 <= self.warmup_steps < self.steps:
             raise ConfigError(
                 f"warmup_steps = {self.warmup_steps} must lie in [0, steps = {self.steps}) so that at least "
@@ -107,7 +120,8 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from swarm.run.model import build_stage, lm_loss
+    from benchmarks.busy import BusyStage
+    from swarm.run.model import autocast_dtype, build_stage, lm_loss
     from swarm.train.data import DataConfig, build_data
 
     torch.set_num_threads(cfg.threads)
@@ -124,7 +138,13 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
         timeout=__import__("datetime").timedelta(seconds=cfg.timeout_s),
     )
     try:
-        module = build_stage(spec, rank)
+        device = torch.device(cfg.device)
+        module = BusyStage(
+            build_stage(spec, rank),
+            device=device,
+            autocast=autocast_dtype(spec, device),
+            emulate_s=cfg.emulate_s,
+        )
         # Shapes are inferred at the first step (a few bytes of metadata over the link, in warm-up).
         # (Explicit input_args/output_args left the first stage without its output gradient in torch
         # 2.13, so inference it is.)
@@ -165,7 +185,12 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
                 torch.nn.utils.clip_grad_norm_(module.parameters(), ocfg.clip_norm)
             opt.step()
             te = time.perf_counter()
-            rec: dict[str, Any] = {"step": step, "time_s": te - ts, "wall_s": te - t0}
+            rec: dict[str, Any] = {
+                "step": step,
+                "time_s": te - ts,
+                "wall_s": te - t0,
+                "busy_s": module.busy_s,
+            }
             if losses:
                 rec["loss"] = float(torch.stack([x.detach().float() for x in losses]).mean())
             steps.append(rec)
@@ -179,6 +204,7 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
         "params": sum(p.numel() for p in module.parameters()),
         "startup_s": t0 - t_start,
         "threads": torch.get_num_threads(),
+        "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
@@ -288,6 +314,12 @@ def summarize(
     s = spec.num_stages
     return {
         "kind": "pipelining",
+        "device": cfg.device,
+        "emulate_s": cfg.emulate_s,
+        "utilisation": [utilisation(r["steps"], cfg.warmup_steps) for r in ranks],
+        "device_peak_mb": [
+            r["device_peak_bytes"] / 2**20 if r.get("device_peak_bytes") else None for r in ranks
+        ],
         "schedule": cfg.schedule,
         "n_micro": cfg.n_micro,
         "steps": cfg.steps,
@@ -303,6 +335,16 @@ def summarize(
         "payload_bytes_per_token": 2 * (s - 1) * spec.model.d_model * 4,
         "wall_s": wall_s,
     }
+
+
+def utilisation(steps: list[dict[str, Any]], warmup_steps: int) -> float | None:
+    """A rank's busy seconds (forwards and backwards, ``benchmarks/busy.py``) per wall second over the
+    steps after warm-up (the first step also runs torch's shape inference)."""
+    if "busy_s" not in steps[-1]:
+        return None
+    before = steps[warmup_steps - 1] if warmup_steps else {"busy_s": 0.0, "wall_s": 0.0}
+    wall = steps[-1]["wall_s"] - before["wall_s"]
+    return (steps[-1]["busy_s"] - before["busy_s"]) / wall if wall > 0 else None
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -322,6 +364,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads per rank (default cpus/stages)"
     )
+    parser.add_argument(
+        "--emulate-compute-ms",
+        default=None,
+        metavar="F,B",
+        help="emulated busy ms per micro-batch (see busy.py)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | mps: where the stages compute")
     parser.add_argument("--rate", default="none", help="egress rate of every rank's link (lab only)")
     parser.add_argument("--loopback", action="store_true", help="127.0.0.1 without namespaces or rates")
     parser.add_argument("--out", default=None, help="write the summary JSON here")
@@ -345,6 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=args.steps,
         warmup_steps=args.warmup_steps,
         threads=threads,
+        emulate_s=None
+        if args.emulate_compute_ms is None
+        else tuple(float(v) / 1000 for v in args.emulate_compute_ms.split(",")),
+        device=args.device,
     )
     nodes = [f"s{i}" for i in range(spec.num_stages)]
     import tempfile

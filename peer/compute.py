@@ -120,6 +120,7 @@ class StageCompute:
         device: torch.device | str = "cpu",
         clock: Callable[[], float] = time.monotonic,
         initial: dict[str, torch.Tensor] | None = None,
+        emulate_s: tuple[float, float] | None = None,
     ):
         self.spec = spec
         self.stage = stage
@@ -155,6 +156,20 @@ class StageCompute:
         # note "speculative rounds": on by default for async replicas; peer/replicas.py may turn it off
         self.speculate = self.policy.speculates
         self._speculative: Params | None = None  # weights training forwards use while a round runs
+        # note "emulated compute": (forward, backward) seconds a micro-batch occupies this stage at least
+        self.emulate_s = emulate_s
+
+    def _emulate(self, t0: float, kind: int) -> None:
+        """Note "emulated compute" (a benchmark knob, ``PeerConfig.emulate_compute_s``): sleep until the
+        micro-batch has occupied this stage for the emulated forward (``kind`` 0), backward (1) or both
+        (2, the last stage's loss and backward at once) seconds since ``t0``. Sleeping leaves the CPU
+        free, as a GPU kernel would, so pipeline bubbles show even when the stages share cores."""
+        if self.emulate_s is None:
+            return
+        busy = sum(self.emulate_s) if kind == 2 else self.emulate_s[kind]
+        left = busy - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
 
     def forward_allowed(self) -> bool:
         """The runtime's forward gate: False in sync mode once this step's forwards have all started,
@@ -237,6 +252,7 @@ class StageCompute:
             if train:
                 self._release_window_slot()
             raise
+        self._emulate(t0, 0)
         result.compute_s = time.perf_counter() - t0
         return result
 
@@ -261,6 +277,7 @@ class StageCompute:
                 stepped = self._maybe_step()
             else:
                 self._release_window_slot()
+        self._emulate(t0, 2)
         return ForwardResult(
             version=version,
             compute_s=time.perf_counter() - t0,
@@ -316,6 +333,7 @@ class StageCompute:
                 stepped = self._maybe_step()
             else:
                 self._release_window_slot()
+        self._emulate(t0, 1)
         return BackwardResult(
             version=entry.version,
             compute_s=time.perf_counter() - t0,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swarm.errors import ConfigError
-from swarm.run.fields import check_fields, flag, integer, number, reject
+from swarm.run.fields import check_fields, check_float, flag, integer, number, reject
 
 __all__ = ["PeerConfig", "resolve_device"]
 
@@ -45,7 +45,7 @@ class PeerConfig:
     stage: Literal["auto"] | int = "auto"
     """``"auto"``: claim the weakest stage and rebalance later; an int pins the peer to that stage."""
     device: str = "auto"
-    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``mps`` (Apple silicon), ``cuda`` or ``cuda:N``."""
     host_maddrs: tuple[str, ...] = ()
     """Where to listen; empty = loopback only (this machine). See ``public``."""
     announce_maddrs: tuple[str, ...] = ()
@@ -66,6 +66,10 @@ class PeerConfig:
     slowdown_s: float = number(0.0, ge=0.0, hint="Use 0 (no delay) or a few hundredths of a second.")
     """Artificial extra delay per micro-batch (seconds, added to every forward) to emulate a slow
     peer in straggler tests and demos; 0 = none. The announced throughput accounts for it."""
+    emulate_compute_s: tuple[float, float] | None = None
+    """Benchmark knob (``benchmarks/bubbles.py``): (forward, backward) seconds a training micro-batch
+    occupies the stage at least; after the real compute the peer sleeps the rest, CPU-free like a GPU
+    (note "emulated compute" in peer/compute.py). None = real compute only. Not for real runs."""
     max_queue: int = integer(64, lo=1, hint="Use e.g. 64.")
     """Compute tasks queued at most; more are refused with "busy, queue full" (backpressure)."""
     throughput: float | None = number(
@@ -132,6 +136,18 @@ class PeerConfig:
             raise ConfigError(f"stage={stage!r} must be 'auto' or a stage number >= 0")
         resolve_device(self.device)  # validates the spelling; CUDA presence is checked at start
         check_fields(self)
+        if self.emulate_compute_s is not None:
+            pair = self.emulate_compute_s
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise reject(
+                    "emulate_compute_s", pair, "it must be (forward, backward)", "Use e.g. (0.04, 0.08)."
+                )
+            hint = "Give seconds >= 0."
+            set_(
+                self,
+                "emulate_compute_s",
+                tuple(check_float("emulate_compute_s", v, ge=0.0, hint=hint) for v in pair),
+            )
         if self.max_queue_per_sender is None:
             set_(self, "max_queue_per_sender", max(1, (3 * self.max_queue) // 4))
         if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) != 32):
@@ -161,8 +177,8 @@ def resolve_device(device: str) -> str:
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
+    if device in ("cpu", "mps"):  # mps: Apple silicon (no pinned copies, autocast only where supported)
         return device
     if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
         return device
-    raise ConfigError(f"device={device!r} must be auto, cpu, cuda or cuda:N")
+    raise ConfigError(f"device={device!r} must be auto, cpu, mps, cuda or cuda:N")

@@ -125,7 +125,14 @@ class StageJoining:
         )
         self._fwd_s.clear()
         initial = await self._initial_weights(stage)
-        compute = await asyncio.to_thread(StageCompute, self.spec, stage, device=self.device, initial=initial)
+        compute = await asyncio.to_thread(
+            StageCompute,
+            self.spec,
+            stage,
+            device=self.device,
+            initial=initial,
+            emulate_s=self.config.emulate_compute_s,
+        )
         del initial  # the compute holds its own copy
         compute.on_gate_change = self._notify_queue
         self._compute = compute

@@ -183,6 +183,8 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
                 evicted_refusals=float(c.versions.evicted_refusals),
                 replicas=float(c.replicas),
             )
+            if c.device.type == "cuda":  # what this process's stage held at most (benchmarks/gpu_check.py)
+                out["cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(c.device))
         out["held"] = float(self._outbox.held_count())
         return out
 

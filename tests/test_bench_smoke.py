@@ -7,6 +7,7 @@ reason ``benchmarks.netlab.lab_unavailable_reason()`` gives.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -406,3 +407,124 @@ def test_analyse_ratios_from_one_run():
     assert a["convergence_blockwise8_sync_within_1pct"] == pytest.approx(1.0)
     assert a["convergence_blockwise8_async_vs_sync_blockwise8"] == pytest.approx(1.01)
     assert a["convergence_async_vs_sync_none"] is None  # that run is missing: no ratio, not a guess
+
+
+# ------------------------------------------------------------------------------ pipeline bubbles
+
+
+def test_bubble_theory_and_config_rules():
+    from benchmarks.bubbles import BubblesConfig, bubble_fraction
+
+    assert bubble_fraction(2, 2) == pytest.approx(1 / 3)
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    with pytest.raises(ConfigError, match="multiple of M"):
+        BubblesConfig(n_micro=(3,), micro_batches=8)
+    with pytest.raises(ConfigError, match="not among"):
+        BubblesConfig(systems=("zero bubble",))
+
+
+def test_busy_stage_holds_forward_and_backward_for_their_emulated_time():
+    import time
+
+    import torch
+
+    from benchmarks.busy import BusyStage
+
+    stage = BusyStage(torch.nn.Linear(4, 4), emulate_s=(0.05, 0.1))
+    x = torch.randn(2, 4, requires_grad=True)
+    t0 = time.perf_counter()
+    out = stage(x)
+    t1 = time.perf_counter()
+    out.sum().backward()
+    t2 = time.perf_counter()
+    assert t1 - t0 >= 0.05 and t2 - t1 >= 0.1
+    assert 0.15 <= stage.busy_s <= t2 - t0
+    assert x.grad is not None and stage.inner.weight.grad is not None
+
+
+def test_bubbles_report_reads_its_numbers():
+    from benchmarks.bubbles import BubblesConfig, derived, markdown_section
+    from benchmarks.report import machine_info
+
+    cfg = BubblesConfig(stages=(2,), n_micro=(4,), micro_batches=8, emulate_ms=(10.0, 20.0))
+    results = []
+    for system, tps, util in (("1f1b", 800.0, [0.8, 0.79]), ("swarm async", 1000.0, [0.95, 0.9])):
+        res = {"stages": 2, "n_micro": 4, "system": system, "tokens_per_s": tps, "utilisation": util}
+        res.update(derived(cfg, res, tokens_per_mb=32))
+        results.append(res)
+    results.append({"stages": 2, "n_micro": 4, "system": "gpipe", "error": "boom", "utilisation": None})
+    results[-1].update(derived(cfg, results[-1], tokens_per_mb=32))
+    assert results[0]["ideal_tokens_per_s"] == pytest.approx(32 / 0.03)
+    assert results[0]["efficiency"] == pytest.approx(800 * 0.03 / 32)
+    assert results[0]["theory_efficiency"] == pytest.approx(0.8)
+    assert results[1]["theory_efficiency"] == 1.0  # async: no bubble once the pipeline is full
+    from dataclasses import asdict
+
+    report = {
+        "config": asdict(cfg),
+        "machine": machine_info(),
+        "started": "now",
+        "command": "test",
+        "tokens_per_mb": 32,
+        "results": results,
+    }
+    text = markdown_section(report)
+    assert text.startswith("## Pipeline bubbles\n")
+    assert "| 2 | 4 | 0.20 | 0.80 | failed | 0.75 | - | 0.94 |" in text
+    assert "| 2 | 4 | failed | 0.80 / 0.79 | - | 0.95 / 0.90 |" in text
+    assert "Swarm async / 1F1B tokens/s: 1.25-1.25" in text
+
+
+@pytest.mark.slow
+def test_bubbles_benchmark_smoke(tmp_path):
+    """1F1B and the async swarm (peers as processes) at S = 2, M = 2 with emulated compute: both measure
+    tokens/s and a utilisation per stage, and the JSON is written."""
+    from benchmarks.bubbles import quick_config, run_all
+
+    cfg = quick_config(n_micro=(2,), micro_batches=4, systems=("1f1b", "swarm async"))
+    report = run_all(cfg, name="bubbles_smoke", results_dir=tmp_path, say=lambda _: None)
+    assert [r.get("error") for r in report["results"]] == [None, None]
+    for r in report["results"]:
+        assert 0 < r["efficiency"] < 1.2
+        assert len(r["utilisation"]) == 2 and all(0 < u <= 1.05 for u in r["utilisation"])
+    assert (tmp_path / "bubbles_smoke.json").exists()
+
+
+# ------------------------------------------------------------------------------------- GPU check
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: nothing to skip")
+def test_gpu_check_skips_cleanly_without_cuda(capsys):
+    from benchmarks.gpu_check import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpu_check: skipped: no CUDA device") and out.count("\n") == 1
+
+
+def test_gpu_check_spec_is_a_4_stage_model_of_100m_parameters():
+    from benchmarks.gpu_check import check_spec
+
+    spec = check_spec(tiny=False)
+    assert spec.num_stages == 4 and spec.n_params() >= 100e6 and spec.autocast == "auto"
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_path_on_cpu(tmp_path):
+    """The whole check on the CPU with the tiny model: every part runs, the numerics agree (CPU vs CPU:
+    exactly), the JSON and the markdown section are produced (not written to BENCHMARKS.md)."""
+    from benchmarks.gpu_check import main
+
+    out = tmp_path / "dry.json"
+    argv = ["--device", "cpu", "--tiny", "--out", str(out), "--micro-batches", "8", "--pipe-steps", "2"]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["numerics"]["ok"] and set(report["numerics"]["groups"]) == {
+        "loss",
+        "activations",
+        "input_grads",
+        "param_grads",
+    }
+    assert report["numerics"]["groups"]["param_grads"]["tensors"] > 4
+    assert report["swarm"]["tokens_per_s"] > 0 and report["pipelining"]["tokens_per_s"] > 0
+    assert report["swarm_vs_pipelining"] > 0

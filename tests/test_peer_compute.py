@@ -279,3 +279,26 @@ def test_a_replica_counts_its_traffic_stopped_only_after_a_gap_longer_than_its_r
     clock[0] = 3.2 + 2.5
     assert comp.can_fill_in(idle_s=1.0) and not comp.can_fill_in(idle_s=comp.quiet_after(1.0, 5.0))
     assert comp.quiet_after(1.0, 2.0) == 2.0  # never past the cap (a partner's round would time out)
+
+
+def test_emulated_compute_holds_each_micro_batch_for_its_busy_time():
+    """Note "emulated compute": forward >= F, backward >= B, the last stage's loss and backward >= F + B,
+    and the result's compute_s (what peers report as busy) includes the sleep."""
+    first = StageCompute(spec(accumulate=1), 0, emulate_s=(0.05, 0.1))
+    res = first.forward("a", tokens(0), "train")
+    assert res.compute_s >= 0.05
+    assert first.backward("a", grad(0)).compute_s >= 0.1
+    last = StageCompute(spec(accumulate=1), 1, emulate_s=(0.05, 0.1))
+    out = last.forward("a", res.output, "train", targets=tokens(1))
+    assert out.compute_s >= 0.15 and out.stepped
+
+
+def test_no_emulated_sleep_without_the_knob(monkeypatch):
+    import peer.compute
+
+    slept = []
+    monkeypatch.setattr(peer.compute.time, "sleep", slept.append)
+    plain = StageCompute(spec(accumulate=1), 0)
+    plain.forward("a", tokens(0), "train")
+    plain.backward("a", grad(0))
+    assert slept == []  # time.sleep is the emulation's only sleep here

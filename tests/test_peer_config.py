@@ -16,6 +16,7 @@ def cfg(**kw) -> PeerConfig:
 
 def test_peer_config_checks_and_normalises():
     assert cfg(stage="2").stage == 2
+    assert cfg(emulate_compute_s=[0.04, 0]).emulate_compute_s == (0.04, 0.0)
     assert cfg().rebalancing and not cfg(stage=1).rebalancing and cfg(stage=1, rebalance=True).rebalancing
     assert cfg(initial_peers="/ip4/127.0.0.1/tcp/1/p2p/x").initial_peers == ("/ip4/127.0.0.1/tcp/1/p2p/x",)
     for bad in (
@@ -24,6 +25,8 @@ def test_peer_config_checks_and_normalises():
         {"stage": True},
         {"device": "tpu"},
         {"slowdown_s": -0.1},
+        {"emulate_compute_s": (0.04,)},
+        {"emulate_compute_s": (0.04, -1.0)},
         {"announce_period_s": 0},
         {"max_queue": 0},
         {"throughput": float("nan")},
@@ -64,3 +67,14 @@ def test_a_bad_value_names_the_field_the_value_the_rule_and_the_next_step():
         cfg(max_queue=True)
     assert cfg(announce_period_s=2).announce_period_s == 2.0  # normalised to a float
     assert cfg(max_queue=8).max_queue_per_sender == 6  # the derived default still follows max_queue
+
+
+def test_emulate_compute_flag_parses_milliseconds_into_seconds():
+    from swarm.cli.main import build_parser
+
+    base = ["peer", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--run", "r"]
+    args = build_parser().parse_args([*base, "--emulate-compute-ms", "40,80"])
+    assert args.emulate_compute_s == (0.04, 0.08)
+    assert build_parser().parse_args(base).emulate_compute_s is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--emulate-compute-ms", "40"])

@@ -21,6 +21,16 @@ from swarm.cli.flags import Flag, add_flags, flag_values
 
 SUMMARY = "serve one pipeline stage of a run"
 
+
+def _emulated(text: str) -> tuple[float, float]:
+    """``"F,B"`` in milliseconds -> (forward, backward) seconds; PeerConfig checks the values."""
+    try:
+        forward, backward = (float(v) / 1000 for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not F,B in milliseconds, e.g. 40,80") from None
+    return forward, backward
+
+
 # PeerConfig's fields that `swarm peer` sets from a flag; defaults, types and help come from PeerConfig.
 FLAGS = (
     Flag("run_id", "--run", metavar="RUN_ID"),
@@ -31,6 +41,14 @@ FLAGS = (
     Flag("public", "--public"),
     Flag("throughput", "--throughput", metavar="TOK_S"),
     Flag("slowdown_s", "--slowdown", metavar="S"),
+    Flag(
+        "emulate_compute_s",
+        "--emulate-compute-ms",
+        metavar="F,B",
+        type=_emulated,
+        help="benchmark knob: each micro-batch occupies the stage at least F ms forward and B ms backward "
+        "(the rest slept after the real compute, like a GPU; benchmarks/bubbles.py)",
+    ),
     Flag("max_queue", "--max-queue", metavar="N"),
     Flag("announce_period_s", "--announce-period", metavar="S"),
     Flag(
