@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup test test-fast test-integration browser demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick clean
+.PHONY: setup test test-fast test-integration browser demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick bench-bubbles gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,14 @@ bench-convergence: setup
 
 bench-convergence-quick: setup
 	$(BIN)/python -m benchmarks.convergence --quick
+
+# Pipeline bubbles with emulated compute per stage: GPipe, 1F1B, swarm sync and async (tens of minutes).
+bench-bubbles: setup
+	$(BIN)/python -m benchmarks.bubbles
+
+# On a machine with a GPU (about 5 minutes; skips cleanly without CUDA).
+gpu-check: setup
+	$(BIN)/python -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -112,6 +112,10 @@ class Outbox:
                 if hold is not None:
                     self.unhold(hold)
 
+    async def _call(self, p2p: Any, peer: str, name: str, message: Message) -> None:
+        """One request with this peer's timeout and (in a private run) its join proof."""
+        await call(p2p, peer, name, message, timeout_s=self._timeout_s, auth=self._auth())
+
     async def deliver(
         self,
         name: str,
@@ -129,14 +133,7 @@ class Outbox:
                 drop_from.drop(origin.mb_id)
             return
         try:
-            await call(
-                self._p2p(),
-                peer,
-                name,
-                Message(header.to_wire(), payload),
-                timeout_s=self._timeout_s,
-                auth=self._auth(),
-            )
+            await self._call(self._p2p(), peer, name, Message(header.to_wire(), payload))
         except (PeerFailure, RequestError) as e:
             self._counters["failed_sends"] += 1
             if drop_from is not None:
@@ -176,14 +173,7 @@ class Outbox:
         if p2p is None:
             return
         try:
-            await call(
-                p2p,
-                trainer,
-                REPORT,
-                Message(report.to_wire(), payload),
-                timeout_s=self._timeout_s,
-                auth=self._auth(),
-            )
+            await self._call(p2p, trainer, REPORT, Message(report.to_wire(), payload))
         except (PeerFailure, RequestError) as e:
             logger.info(
                 "report %s of %s to trainer %s was not delivered: %s", report.kind, report.mb_id, trainer, e
