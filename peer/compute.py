@@ -244,7 +244,6 @@ class StageCompute:
                     context=context,
                     count=count,
                     params=params if ahead else None,
-                    ahead=ahead,
                 )
                 with self.lock:
                     self.stash.put(entry)

@@ -120,9 +120,13 @@ class StashEntry:
     meta: dict[str, float] = field(default_factory=dict)
     count: bool = True  # add the gradient to the optimizer (False: a retry this stage already counted)
     # speculative weights the forward ran on instead of ``version``'s (peer/compute.py, note "speculative
-    # rounds"), and how many versions ahead of ``version`` they stand for (0: the version's own weights)
+    # rounds"); None: the version's own weights
     params: Params | None = None
-    ahead: int = 0
+
+    @property
+    def ahead(self) -> int:
+        """Versions ahead of ``version`` the forward's weights stand for: 1 on speculative weights."""
+        return 0 if self.params is None else 1
 
 
 class MicroBatchStash:
