@@ -244,6 +244,8 @@ def _run(
 ) -> dict[str, Any]:
     nodes = {"boot": "boot", "trainer": "trainer", "stages": [f"s{i}" for i in range(8)]}
     sampler = ThreadSampler(spy_dir=spy_dir).start()
+    snapshots = ROOT / "snapshots"  # where the run's `swarm init` keeps its keeper's snapshots (cwd = ROOT)
+    before = set(snapshots.iterdir()) if snapshots.is_dir() else set()
     try:
         with LoopbackLab(["boot", "trainer", *nodes["stages"]]) as lab:
             base = _base_spec(lcfg, work)
@@ -251,6 +253,10 @@ def _run(
             result = _run_job(lab, lcfg, job, work, nodes, base, threads)
     finally:
         sampler.stop()
+        # The pair's runs share a run id (links.run_swarm derives it from the pid): the second run's keeper
+        # would find the first one's snapshots, and its peers rightly refuse to start from the seed.
+        for path in (set(snapshots.iterdir()) if snapshots.is_dir() else set()) - before:
+            shutil.rmtree(path, ignore_errors=True)
     sampler.sample()
     tokens = _tokens(result, job)
     return {
