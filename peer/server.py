@@ -54,6 +54,7 @@ from peer.trainers import TrainerWatch
 from peer.work import WorkerTasks
 from swarm.dht.auth import RunAuth
 from swarm.errors import ConfigError, SwarmError
+from swarm.traffic import TRAFFIC
 from swarm.wire.protocol import BACKWARD, CANCEL, FORWARD, INFO, serve
 
 __all__ = ["StagePeer"]
@@ -186,6 +187,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
             if c.device.type == "cuda":  # what this process's stage held at most (benchmarks/gpu_check.py)
                 out["cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(c.device))
         out["held"] = float(self._outbox.held_count())
+        out.update(TRAFFIC.as_stats())  # what this process sent, by kind (swarm/traffic.py)
         return out
 
     # ------------------------------------------------------------------------------- lifecycle

@@ -45,6 +45,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgpack
+
 from swarm.dht.network import local_signer
 from swarm.dht.records import (
     MAX_SPEC_BYTES,
@@ -67,6 +69,7 @@ from swarm.dht.records import (
     stage_key,
 )
 from swarm.errors import ConfigError, PeerFailure, RecordError
+from swarm.traffic import TRAFFIC, record_kind
 
 if TYPE_CHECKING:
     import hivemind
@@ -113,6 +116,11 @@ def _check_expiration(expiration_s: float) -> float:
     ):
         raise ConfigError(f"expiration_s={expiration_s!r} must be a number of seconds in (0, 86400]")
     return float(expiration_s)
+
+
+def _packed_size(value: Any) -> int:
+    """Bytes of ``value`` as hivemind serialises a DHT value (msgpack), for the traffic counters."""
+    return len(msgpack.packb(value, use_bin_type=True))
 
 
 class _Shared:
@@ -212,6 +220,9 @@ class Membership:
 
     def _store(self, key: str, subkey: bytes, value: dict, expiration_s: float) -> bool:
         expiration = _dht_time() + _check_expiration(expiration_s)
+        TRAFFIC.add(
+            f"dht_store.{record_kind(key)}", header=len(key) + len(subkey), payload=_packed_size(value)
+        )
         return bool(
             self._call(
                 lambda: self._result(
@@ -222,6 +233,9 @@ class Membership:
 
     def _get_many(self, keys: list[str]) -> list[dict[Any, Any]]:
         """``get(latest=True)`` of several keys (sent back to back, answered concurrently by the DHT)."""
+
+        for key in keys:
+            TRAFFIC.add(f"dht_get.{record_kind(key)}", header=len(key))
 
         def run() -> list[Any]:
             futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]

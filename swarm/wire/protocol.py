@@ -80,6 +80,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerErr
 from hivemind.proto import runtime_pb2
 
 from swarm.errors import Failure, PeerFailure, RequestError
+from swarm.traffic import TRAFFIC, message_kind
 
 __all__ = [
     "PROTOCOL_TAG",
@@ -602,8 +603,9 @@ async def serve(
                 max_payload_bytes=max_payload_bytes,
                 gate=None if gate is None else (lambda header: gate(name, remote, header)),
             )
-            reply = await handler(message, context.remote_id)
-            return _reply({"ok": True, **reply})
+            reply = _reply({"ok": True, **await handler(message, context.remote_id)})
+            TRAFFIC.add(f"reply.{message_kind(name)}", header=len(reply.metadata))
+            return reply
         except RequestError as e:
             if on_refused is not None:
                 on_refused(e)
@@ -661,6 +663,7 @@ async def call(
         header = auth.sign_request(name, str(p2p.peer_id), str(peer_id), header)
         message = Message(header, message.payload)
     parts = to_parts(message)
+    TRAFFIC.add(message_kind(name), header=len(parts[0].metadata), payload=len(message.payload))
     try:
         response = await asyncio.wait_for(_first_response(p2p, peer_id, name, parts), timeout=timeout_s)
     except asyncio.TimeoutError:
