@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from peer.admission import Admission
+from peer.announcements import AnnounceRule
 from peer.averaging import StageAverager
 from peer.compute import StageCompute
 from peer.config import PeerConfig, resolve_device
@@ -99,6 +100,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
         self._queue: ComputeQueue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rng = random.Random()
+        self._announcements = AnnounceRule(config.announce_period_s)  # note "announce on change"
         self._rounds: ReplicaRounds | None = None
         self._round_counters: dict[str, int] = dict.fromkeys(ReplicaRounds.COUNTERS, 0)  # of stages left
         self._switch_lock = asyncio.Lock()

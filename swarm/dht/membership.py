@@ -25,8 +25,11 @@ run's allow/deny lists refuse: an outsider never appears in stage lists or progr
 Lifetimes (``expiration_s`` arguments; hivemind drops a record when it expires, and nothing else
 removes a dead peer's record):
 
-- peer records: 15 s, refreshed every ``ANNOUNCE_PERIOD_S`` = 5 s by the peer, so a dead peer
-  disappears within 15 s and two lost refreshes are tolerated. A peer that stops or moves to
+- peer records: a stage peer stores its record at once when what others act on changes, and
+  otherwise every third tick of its announce loop (15 s with the default 5 s ticks), each store living
+  3 refreshes (45 s; ``PEER_EXPIRATION_S`` = 15 s is the default of other writers): two lost refreshes
+  are tolerated, a dead peer's record outlives it by up to that (peer/announcements.py, note
+  "announce on change"; trainers and replicas find dead peers by probing them). A peer that stops or moves to
   another stage first announces ``state="leaving"`` (``announce_leaving``) on its old stage;
   that record outlives the last ``online`` one (later expiration wins for a subkey).
 - spec: 300 s, registry entries: 120 s, both refreshed by the run's bootstrap (``swarm init``);
