@@ -37,7 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.links import RESULTS_DIR, Job, LinksConfig, run_swarm, socket_prefix, start_bootstrap
+from benchmarks.links import (
+    RESULTS_DIR,
+    Job,
+    LinksConfig,
+    base_spec_dict,
+    run_swarm,
+    socket_prefix,
+    start_bootstrap,
+)
 from benchmarks.markdown import write_section
 from benchmarks.netlab import format_rate, lab_unavailable_reason, open_lab
 from benchmarks.report import machine_info
@@ -159,11 +167,23 @@ def _label(subspace: int | None) -> str:
 
 
 def run(
-    *, rates: list[str], micro_batches: int, idle_s: float, keeper: bool = False, say: Any = print
+    *,
+    rates: list[str],
+    micro_batches: int,
+    idle_s: float,
+    keeper: bool = False,
+    cfg: LinksConfig | None = None,
+    subspaces: tuple[int | None, ...] = (None, 32),
+    say: Any = print,
 ) -> list[dict[str, Any]]:
-    """Both runs at every rate in one lab; one entry per run with its breakdown."""
-    cfg = LinksConfig(throughput_mb=micro_batches, warmup_mb=min(8, micro_batches // 2))
-    stage_nodes = ["s0", "s1", "s2", "s3"]
+    """Each model (``subspaces``: None = blockwise8 activations, r = the subspace d/r model) at every rate
+    in one lab; one entry per run with its breakdown. ``cfg``: the links benchmark's settings (spec,
+    accumulate, timeouts); by default the benchmark's."""
+    from swarm.run.spec import RunSpec
+
+    cfg = cfg or LinksConfig(throughput_mb=micro_batches, warmup_mb=min(8, micro_batches // 2))
+    stages = RunSpec.from_dict(base_spec_dict(cfg) | {"run_id": "control-plane"}).num_stages
+    stage_nodes = [f"s{i}" for i in range(stages)]
     all_nodes = ["boot", "trainer", *stage_nodes]
     nodes: dict[str, Any] = {"boot": "boot", "trainer": "trainer", "stages": stage_nodes}
     out = []
@@ -173,7 +193,7 @@ def run(
             _, nodes["boot_maddr"] = start_bootstrap(lab, "boot", work, cfg.start_timeout_s)
             for rate in rates:
                 lab.set_rate(rate)
-                for subspace in (None, 32):
+                for subspace in subspaces:
                     job = Job(
                         "swarm",
                         format_rate(rate),
@@ -237,6 +257,10 @@ def _f(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
 def markdown_section(report: dict[str, Any]) -> str:
     """The "Control plane" section: per-source bytes per token before and after, and the targets."""
     variants = report.get("variants", {})
@@ -265,8 +289,20 @@ def markdown_section(report: dict[str, Any]) -> str:
         row(f"serialised: {k}", lambda b, k=k: b["serialised"].get(k))
     for kind in sorted({k for _, r in runs for k in r["breakdown"]["dht_stored_values"]}):
         row(f"serialised: DHT values stored ({kind})", lambda b, kind=kind: b["dht_stored_values"].get(kind))
-    row("DHT, averagers while idle (idle tx rate x run time)", lambda b: b["background_wire"])
-    row("framing and the rest (libp2p, TCP/IP, DHT RPCs)", lambda b: b["framing_and_rest"])
+    row("keeper's stage snapshots (state downloads; in the wire total)", lambda b: b.get("keeper_snapshots"))
+    row("TCP payload, all connections (ss)", lambda b: b.get("tcp_total"))
+    row(
+        "of it not serialised by us: DHT RPCs, averagers, libp2p framing",
+        lambda b: (
+            None
+            if b.get("tcp_total") is None
+            else b["tcp_total"]
+            - b["serialised"]["payload (activations, gradients)"]
+            - b["serialised_control"]
+        ),
+    )
+    row("IP/TCP headers and ACKs (wire - TCP payload)", lambda b: _minus(b["wire"], b.get("tcp_total")))
+    row("(idle tx rate after training x run time)", lambda b: b["background_wire"])
     row("DHT stores per 1k tokens", lambda b: b["dht_stores_per_1k_tokens"], ".2f")
     row("DHT reads per 1k tokens", lambda b: b["dht_gets_per_1k_tokens"], ".2f")
     lines.append("| tokens/s | " + " | ".join(_f(r["tokens_per_s"], ".0f") for _, r in runs) + " |")
