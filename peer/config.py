@@ -57,7 +57,7 @@ class PeerConfig:
     public: bool = flag(False)
     """Listen on all interfaces (``/ip4/0.0.0.0/tcp/0``) instead of loopback."""
     announce_period_s: float = number(5.0, gt=0.0, hint=_SECONDS)
-    """Seconds between announce ticks and rebalancing checks (jittered by +-20 %). An unchanged record is
+    """Seconds between announcements and rebalancing checks (jittered by +-20 %). An unchanged record is
     stored every 3 ticks, a change at once (peer/announcements.py); records expire after 3 refreshes, so a
     crashed peer's record lingers up to ~45 s by default (trainers find it dead sooner, by probing it)."""
     rebalance: bool | None = None
