@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup test test-fast test-integration browser demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick bench-bubbles gpu-check clean
+.PHONY: setup test test-fast test-integration browser demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick bench-bubbles bench-control-plane gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ bench-links: setup
 
 bench-links-quick: setup
 	$(BIN)/python -m benchmarks.links --quick
+
+# Control-plane bytes per token by source, in the network lab (root): results/control_plane.json, then
+# `python -m benchmarks.control_plane --render` for BENCHMARKS.md (section "Control plane").
+bench-control-plane: setup
+	$(BIN)/python -m benchmarks.control_plane --variant after
 
 # Training quality: swarms on loopback vs one process (108 runs, hours on 2 cores; --quick: minutes).
 bench-convergence: setup

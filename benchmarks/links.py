@@ -482,14 +482,27 @@ def start_bootstrap(lab: Lab, node: str, work: Path, timeout_s: float) -> tuple[
 
 
 def run_swarm(
-    lab: Lab, cfg: LinksConfig, job: Job, work: Path, nodes: dict[str, Any], boot_maddr: str | None = None
+    lab: Lab,
+    cfg: LinksConfig,
+    job: Job,
+    work: Path,
+    nodes: dict[str, Any],
+    boot_maddr: str | None = None,
+    idle_s: float = 0.0,
+    keeper: bool = True,
+    probe: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """One swarm run in ``lab``: its spec published by ``swarm init``, one peer per stage, one trainer.
 
     ``nodes``: {"boot": node, "trainer": node, "stages": [node per stage]}. With ``boot_maddr`` (a
     long-lived plain bootstrap node, see :func:`start_bootstrap`) the run's ``swarm init`` joins it and
     starts together with the peers and the trainer (they wait for the spec in the DHT), which saves a
-    serial process start per run; without, ``swarm init`` is the bootstrap and starts first.
+    serial process start per run; without, ``swarm init`` is the bootstrap and starts first. With
+    ``idle_s`` the peers stay up that long after the trainer ended and the result adds each node's
+    bytes per second while nothing trains (``idle_tx_bytes_per_s_by_node``: the background traffic).
+    ``keeper=False`` runs ``swarm init`` without its keeper (no stage snapshots downloaded). ``probe()``,
+    if given, is called where the link counters are read (start and end of training, end of the idle
+    time); its answers are in the result as ``probes`` (e.g. per-connection byte counters).
     """
     sub = f"-ss{job.subspace}" if job.subspace else ""
     run_id = f"links-{job.codec.split(':')[0]}{sub}-{job.mode}-{job.rate}-{os.getpid()}"
@@ -527,12 +540,14 @@ def run_swarm(
 
     stages = nodes["stages"]
     out_dir = work / f"{run_id}-out"
+    keeper_dir = work / f"{run_id}-snapshots"  # the run's keeper (swarm init's): not in the repository
     t_start = time.perf_counter()
     try:
         join = ["--initial-peers", boot_maddr] if boot_maddr else []
         boot, boot_log = spawn(
             nodes["boot"],
-            [*py, "init", str(spec_path), *join, *listen(nodes["boot"]), "--status-interval-s", "30"],
+            [*py, "init", str(spec_path), *join, *listen(nodes["boot"]), "--status-interval-s", "30"]
+            + (["--keeper-dir", str(keeper_dir)] if keeper else ["--no-keeper"]),
             "init",
         )
         maddr = boot_maddr or _wait_for(boot_log, _INITIAL, boot, cfg.start_timeout_s, "swarm init").group(1)
@@ -591,6 +606,7 @@ def run_swarm(
         t_online = time.perf_counter()
         # Counters from here: the trainer has at most fetched the spec; every micro-batch is still ahead.
         tx0 = {n: lab.tx_bytes(n) for n in [nodes["boot"], nodes["trainer"], *stages]}
+        probes = [probe()] if probe else []
         watcher.watch("trainer", trainer.pid)
         try:
             trainer.wait(cfg.run_timeout_s)
@@ -598,6 +614,14 @@ def run_swarm(
             raise SwarmError(f"{job.name}: the trainer did not finish within {cfg.run_timeout_s} s") from None
         watcher.sample()
         tx1 = {n: lab.tx_bytes(n) for n in tx0}
+        probes += [probe()] if probe else []
+        t_trained = time.perf_counter()
+        idle, idle_window_s = None, 0.0
+        if idle_s > 0 and wire_known(tx0):
+            time.sleep(idle_s)
+            idle_window_s = time.perf_counter() - t_trained
+            idle = {n: (lab.tx_bytes(n) - tx1[n]) / idle_window_s for n in tx0}
+            probes += [probe()] if probe else []
         if trainer.returncode != 0:
             raise SwarmError(
                 f"{job.name}: trainer exited with {trainer.returncode}:\n"
@@ -623,7 +647,7 @@ def run_swarm(
         records, summary, tokens_per_mb=tokens_per_mb, warmup_mb=cfg.warmup_mb, window_mb=cfg.pipe_n_micro
     )
     tokens = result["tokens"] or 1
-    wire = None if any(v is None for v in tx0.values()) else sum(tx1[n] - tx0[n] for n in tx0) / tokens
+    wire = None if not wire_known(tx0) else sum(tx1[n] - tx0[n] for n in tx0) / tokens
     result.update(
         {
             "kind": "swarm",
@@ -643,9 +667,20 @@ def run_swarm(
             if wire is None
             else {n: (tx1[n] - tx0[n]) / tokens for n in tx0},
             "peak_rss_mb": {name: m for name, m in memory.items()},
+            "measured_s": t_trained - t_online,
+            # what the keeper downloaded and kept (stage snapshots, state downloads from the peers)
+            "keeper_snapshot_bytes": sum(f.stat().st_size for f in keeper_dir.rglob("*") if f.is_file()),
+            "idle_tx_bytes_per_s_by_node": idle,
+            "idle_s": idle_window_s,
+            "probes": probes,
         }
     )
     return result
+
+
+def wire_known(tx: dict[str, int | None]) -> bool:
+    """Whether the lab counts every node's bytes (a loopback lab counts none)."""
+    return all(v is not None for v in tx.values())
 
 
 def swarm_figures(

@@ -292,7 +292,9 @@ class StageAverager:
             min_matchmaking_time=min_matchmaking_time_s,
             request_timeout=min(request_timeout_s, min_matchmaking_time_s / 2),
             allow_state_sharing=False,
-            declare_state_period=10.0,
+            # a donor declaration (a DHT store) lives one period; hivemind's default 30 s instead of 10 s: a
+            # third of the stores (benchmarks/control_plane.py), a dead donor fails fast and is skipped
+            declare_state_period=30.0,
             next_chunk_timeout=10.0,
             shutdown_timeout=5.0,
         )

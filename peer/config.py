@@ -57,8 +57,9 @@ class PeerConfig:
     public: bool = flag(False)
     """Listen on all interfaces (``/ip4/0.0.0.0/tcp/0``) instead of loopback."""
     announce_period_s: float = number(5.0, gt=0.0, hint=_SECONDS)
-    """Seconds between announcements and rebalancing checks (jittered by +-20 %). Records expire
-    after 3 periods, so a crashed peer disappears from routing within ~15 s by default."""
+    """Seconds between announcements and rebalancing checks (jittered by +-20 %). An unchanged record is
+    stored every 3 ticks, a change at once (peer/announcements.py); records expire after 3 refreshes, so a
+    crashed peer's record lingers up to ~45 s by default (trainers find it dead sooner, by probing it)."""
     rebalance: bool | None = None
     """Move to another stage when placement says so; None = only when ``stage == "auto"``."""
     rebalance_margin: float = number(0.2, ge=0.0, hint="Use a fraction such as 0.2.")

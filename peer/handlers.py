@@ -24,7 +24,7 @@ import torch
 
 from peer.compute import StageCompute
 from swarm.errors import Failure, RequestError
-from swarm.wire.protocol import BackwardHeader, ForwardHeader, Message, listed_ids, unpack_tokens
+from swarm.wire.protocol import BackwardHeader, ForwardHeader, Message, listed_ids
 
 __all__ = ["PoisonError", "RequestHandlers"]
 
@@ -179,8 +179,7 @@ class RequestHandlers:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Token ids, targets and the stage input (the ids, or the decoded and checked activations)."""
         model = self.spec.model
-        tokens = unpack_tokens(h.tokens, h.batch, h.seq, model.vocab_size)
-        targets = unpack_tokens(h.targets, h.batch, h.seq, model.vocab_size) if h.targets else None
+        tokens, targets = h.token_ids(model.vocab_size)
         if compute.is_last and h.mode != "generate" and targets is None:
             raise RequestError(f"mode {h.mode!r} needs targets at the last stage")
         if compute.is_first:

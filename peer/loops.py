@@ -3,7 +3,8 @@
 What a crash of each loop means (``SUPERVISION``; the crash is always logged at ERROR with its
 traceback and the loop's name):
 
-- ``announce`` (record + rebalancing, every ~5 s, jittered), ``expiry`` (stash expiry, probes of
+- ``announce`` (record + rebalancing, a tick every ~5 s, jittered; an unchanged record is stored every
+  few ticks: peer/announcements.py), ``expiry`` (stash expiry, probes of
   quiet trainers), ``authorized`` (a private run's peer set for the averager) and ``checkpoint``:
   restarted, at most 3 times in a row with a doubling backoff; then the peer stops (announces
   leaving and shuts down). DHT and disk errors are expected and handled inside each loop; what
@@ -84,8 +85,10 @@ class Background:
         )
 
     async def _announce(self) -> None:
-        period = self.config.announce_period_s
-        await asyncio.to_thread(self._membership.announce, self._record(), 3 * period)
+        """Store this peer's record now (changes of state and stage are stored by their callers at once)."""
+        record = self._record()
+        await asyncio.to_thread(self._membership.announce, record, self._announcements.expiration_s)
+        self._announcements.stored(record, time.monotonic())
 
     async def _announce_loop(self) -> None:
         period = self.config.announce_period_s
@@ -100,10 +103,14 @@ class Background:
     async def _announce_round(self) -> None:
         if self._rate is not None:
             self.throughput = self._rate.fold(time.monotonic())
-        await self._announce()
-        if self._averager is not None:
-            self._averager.share_state(True, priority=self.compute.version)
-        await self._refresh_replicas()
+        # note "announce on change" (peer/announcements.py): an unchanged record is stored every few ticks
+        stored = self._announcements.reason(self._record(), time.monotonic()) is not None
+        if stored:
+            await self._announce()
+            if self._averager is not None:  # the donor priority (a DHT store whenever it changes) with it
+                self._averager.share_state(True, priority=self.compute.version)
+        if stored or (self._compute is not None and self._compute.replicas > 1):
+            await self._refresh_replicas()
         if self.config.rebalancing:
             await self._maybe_move()
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from peer.admission import Admission
+from peer.announcements import AnnounceRule
 from peer.averaging import StageAverager
 from peer.compute import StageCompute
 from peer.config import PeerConfig, resolve_device
@@ -54,6 +55,7 @@ from peer.trainers import TrainerWatch
 from peer.work import WorkerTasks
 from swarm.dht.auth import RunAuth
 from swarm.errors import ConfigError, SwarmError
+from swarm.traffic import TRAFFIC
 from swarm.wire.protocol import BACKWARD, CANCEL, FORWARD, INFO, serve
 
 __all__ = ["StagePeer"]
@@ -98,6 +100,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
         self._queue: ComputeQueue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rng = random.Random()
+        self._announcements = AnnounceRule(config.announce_period_s)  # note "announce on change"
         self._rounds: ReplicaRounds | None = None
         self._round_counters: dict[str, int] = dict.fromkeys(ReplicaRounds.COUNTERS, 0)  # of stages left
         self._switch_lock = asyncio.Lock()
@@ -186,6 +189,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
             if c.device.type == "cuda":  # what this process's stage held at most (benchmarks/gpu_check.py)
                 out["cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(c.device))
         out["held"] = float(self._outbox.held_count())
+        out.update(TRAFFIC.as_stats())  # what this process sent, by kind (swarm/traffic.py)
         return out
 
     # ------------------------------------------------------------------------------- lifecycle

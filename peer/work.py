@@ -7,7 +7,9 @@ task becomes a ``failed`` report to the trainer, never silence.
 Per-hop stats keys added to headers and reports (all floats): ``fwd_compute_s_<s>``,
 ``fwd_queue_s_<s>``, ``fwd_bytes_<s>`` (bytes sent to stage s+1), ``bwd_compute_s_<s>``,
 ``bwd_queue_s_<s>``, ``bwd_bytes_<s>`` (bytes sent to stage s-1), ``version_<s>`` (forward
-version) and ``staleness_<s>`` (versions elapsed until backward).
+version) and ``staleness_<s>`` (versions elapsed until backward). The forward keys travel with the
+FORWARDs and reach the trainer in the last stage's ``loss`` report; the BACKWARDs and stage 0's ``done``
+report carry only the backward keys (the trainer merges both reports' stats), not the forward keys again.
 
 ``WorkerTasks`` is one of ``StagePeer``'s parts (peer/server.py).
 """
@@ -122,7 +124,7 @@ class WorkerTasks:
         if h.mode == "train":
             self._outbox.send(self._outbox.report(h.trainer, report("loss")), hold=h.mb_id)
             self.counters["backwards"] += 1
-            self._after_backward(compute, h, res.grad_input, stats)
+            self._after_backward(compute, h, res.grad_input, {})  # the loss report has the forward stats
         elif h.mode == "eval":
             self._outbox.send(self._outbox.report(h.trainer, report("result")), hold=h.mb_id)
         else:

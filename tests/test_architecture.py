@@ -22,7 +22,7 @@ PACKAGES = ("compression", "swarm", "peer")
 
 # Lowest first. A layer may import itself and the layers named here, which all come before it.
 # ``swarm`` is the root of the swarm package: ``swarm/__init__.py``, ``errors``, ``version``,
-# ``atomic``, which import nothing of ours but each other.
+# ``atomic``, ``traffic``, which import nothing of ours but each other.
 LAYERS: dict[str, tuple[str, ...]] = {
     "compression": (),
     "swarm": (),
@@ -55,7 +55,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
 }
 # The modules directly in swarm/ (the root layer); anything else there must go into a subpackage.
-SWARM_ROOT_MODULES = frozenset({"swarm", "swarm.errors", "swarm.version", "swarm.atomic"})
+SWARM_ROOT_MODULES = frozenset({"swarm", "swarm.errors", "swarm.version", "swarm.atomic", "swarm.traffic"})
 
 Edge = tuple[str, str, int]  # (importing module, imported module, line)
 

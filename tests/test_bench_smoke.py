@@ -528,3 +528,33 @@ def test_gpu_check_dry_path_on_cpu(tmp_path):
     assert report["numerics"]["groups"]["param_grads"]["tensors"] > 4
     assert report["swarm"]["tokens_per_s"] > 0 and report["pipelining"]["tokens_per_s"] > 0
     assert report["swarm_vs_pipelining"] > 0
+
+
+@pytest.mark.slow
+@needs_lab
+def test_control_plane_benchmark_smoke(tiny_spec):
+    """The control-plane measurement (benchmarks/control_plane.py) on a tiny model in the lab: wire bytes
+    from the link counters, the processes' own traffic counters, per-connection TCP bytes, idle traffic."""
+    from benchmarks.control_plane import markdown_section, run
+    from benchmarks.links import LinksConfig
+
+    cfg = LinksConfig(
+        spec_path=tiny_spec,
+        accumulate=2,
+        throughput_mb=4,
+        warmup_mb=2,
+        data_bytes=100_000,
+        start_timeout_s=120,
+        run_timeout_s=120,
+    )
+    runs = run(rates=["none"], micro_batches=4, idle_s=2.0, cfg=cfg, subspaces=(None,), say=lambda _: None)
+    [r] = runs
+    b = r["breakdown"]
+    assert b["wire"] >= b["payload"] > 0
+    assert b["serialised"]["FORWARD headers"] > 0 and b["serialised"]["REPORTs to the trainer"] > 0
+    # every process's counters arrived: each peer and the trainer sent FORWARDs (the last stage none)
+    assert sum(1 for t in r["traffic"] if t.get("forward", {}).get("count")) == TINY["stages"]
+    assert b["messages_per_1k_tokens"]["report"] > 0 and b["dht_stores_per_1k_tokens"] > 0
+    assert b["tcp_by_pair"] and b["tcp_total"] <= b["wire"]  # TCP payload: no IP/TCP headers
+    assert b["idle_bytes_per_s_by_node"] and b["keeper_snapshots"] == 0
+    assert "| **non-payload / payload** |" in markdown_section({"variants": {"smoke": {"runs": runs}}})

@@ -13,6 +13,7 @@ from swarm.wire.protocol import (
     Message,
     Report,
     call,
+    pack_ids,
     pack_tokens,
     read_message,
     serve,
@@ -45,6 +46,67 @@ def _fwd(**over):
 def test_forward_header_round_trip():
     h, d = _fwd()
     assert ForwardHeader.from_wire(d) == h
+    assert "shifted" not in d  # an unshifted header is what it was before the field existed
+
+
+def _shifted_header(tokens, targets, vocab=256, mode="train"):
+    ids, target_ids, shifted = pack_ids(tokens, targets, vocab)
+    h = ForwardHeader(
+        run_id="r",
+        spec_hash="abcd",
+        mb_id="t:1:0",
+        stage=0,
+        route=("a", "b"),
+        trainer="t",
+        mode=mode,
+        batch=tokens.shape[0],
+        seq=tokens.shape[1],
+        tokens=ids,
+        targets=target_ids,
+        shifted=shifted,
+    )
+    return ForwardHeader.from_wire(h.to_wire())
+
+
+@pytest.mark.parametrize("vocab", [256, 50000, 100000])
+def test_shifted_window_carries_tokens_and_targets_in_seq_plus_one_ids(vocab):
+    win = torch.randint(0, vocab, (2, 9))
+    tokens, targets = win[:, :-1], win[:, 1:]
+    h = _shifted_header(tokens, targets, vocab)
+    assert h.shifted and h.targets == b""
+    assert len(h.tokens) == 2 * 9 * token_width(vocab)  # against 2 * 2 * 8 ids apart
+    got_tokens, got_targets = h.token_ids(vocab)
+    assert torch.equal(got_tokens, tokens) and torch.equal(got_targets, targets)
+
+
+def test_targets_that_are_not_shifted_tokens_travel_apart():
+    tokens = torch.randint(0, 256, (2, 8))
+    targets = torch.randint(0, 256, (2, 8))
+    targets[0, 0] = (tokens[0, 1] + 1) % 256  # certainly not a shift
+    h = _shifted_header(tokens, targets)
+    assert not h.shifted and len(h.targets) == 16
+    got_tokens, got_targets = h.token_ids(256)
+    assert torch.equal(got_tokens, tokens) and torch.equal(got_targets, targets)
+    h = _shifted_header(tokens, None, mode="generate")
+    assert not h.shifted and h.token_ids(256)[1] is None
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({"targets": b"x" * 16}, "must be empty"),
+        ({"mode": "generate"}, "must be empty"),
+        ({"tokens": b"x" * 16}, r"batch\*\(seq\+1\)"),
+        ({"shifted": 1}, "must be a bool"),
+    ],
+)
+def test_shifted_header_refuses_what_does_not_fit(over, match):
+    win = torch.randint(0, 256, (2, 9))
+    ids, _, _ = pack_ids(win[:, :-1], win[:, 1:], 256)
+    _, d = _fwd(tokens=ids, targets=b"", shifted=True)
+    d.update(over)
+    with pytest.raises(RequestError, match=match):
+        ForwardHeader.from_wire(d)
 
 
 @pytest.mark.parametrize(

@@ -146,7 +146,9 @@ class SwarmLink:
         """Hand one micro-batch to ``route[0]``; returns its acknowledgement (raises
         ``PeerFailure`` / ``RequestError`` as ``swarm.wire.protocol.call`` does). ``counted_from``: see
         note "counted stages" (the trainer's docstring)."""
-        from swarm.wire.protocol import FORWARD, ForwardHeader, Message, call, pack_tokens
+        from swarm.wire.protocol import FORWARD, ForwardHeader, Message, call, pack_ids
+
+        ids, target_ids, shifted = pack_ids(tokens, targets, self.spec.model.vocab_size)
 
         header = ForwardHeader(
             run_id=self.spec.run_id,
@@ -158,10 +160,11 @@ class SwarmLink:
             mode=mode,  # type: ignore[arg-type]
             batch=int(tokens.shape[0]),
             seq=int(tokens.shape[1]),
-            tokens=pack_tokens(tokens, self.spec.model.vocab_size),
-            targets=b"" if targets is None else pack_tokens(targets, self.spec.model.vocab_size),
+            tokens=ids,
+            targets=target_ids,
             counted_from=counted_from,
             window=window,
+            shifted=shifted,
         )
         return await call(
             self.p2p, route[0], FORWARD, Message(header.to_wire(), b""), timeout_s=timeout_s, auth=self.auth

@@ -25,8 +25,11 @@ run's allow/deny lists refuse: an outsider never appears in stage lists or progr
 Lifetimes (``expiration_s`` arguments; hivemind drops a record when it expires, and nothing else
 removes a dead peer's record):
 
-- peer records: 15 s, refreshed every ``ANNOUNCE_PERIOD_S`` = 5 s by the peer, so a dead peer
-  disappears within 15 s and two lost refreshes are tolerated. A peer that stops or moves to
+- peer records: a stage peer stores its record at once when what others act on changes, and
+  otherwise every third tick of its announce loop (15 s with the default 5 s ticks), each store living
+  3 refreshes (45 s; ``PEER_EXPIRATION_S`` = 15 s is the default of other writers): two lost refreshes
+  are tolerated, a dead peer's record outlives it by up to that (peer/announcements.py, note
+  "announce on change"; trainers and replicas find dead peers by probing them). A peer that stops or moves to
   another stage first announces ``state="leaving"`` (``announce_leaving``) on its old stage;
   that record outlives the last ``online`` one (later expiration wins for a subkey).
 - spec: 300 s, registry entries: 120 s, both refreshed by the run's bootstrap (``swarm init``);
@@ -44,6 +47,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgpack
 
 from swarm.dht.network import local_signer
 from swarm.dht.records import (
@@ -67,6 +72,7 @@ from swarm.dht.records import (
     stage_key,
 )
 from swarm.errors import ConfigError, PeerFailure, RecordError
+from swarm.traffic import TRAFFIC, record_kind
 
 if TYPE_CHECKING:
     import hivemind
@@ -113,6 +119,11 @@ def _check_expiration(expiration_s: float) -> float:
     ):
         raise ConfigError(f"expiration_s={expiration_s!r} must be a number of seconds in (0, 86400]")
     return float(expiration_s)
+
+
+def _packed_size(value: Any) -> int:
+    """Bytes of ``value`` as hivemind serialises a DHT value (msgpack), for the traffic counters."""
+    return len(msgpack.packb(value, use_bin_type=True))
 
 
 class _Shared:
@@ -212,6 +223,9 @@ class Membership:
 
     def _store(self, key: str, subkey: bytes, value: dict, expiration_s: float) -> bool:
         expiration = _dht_time() + _check_expiration(expiration_s)
+        TRAFFIC.add(
+            f"dht_store.{record_kind(key)}", header=len(key) + len(subkey), payload=_packed_size(value)
+        )
         return bool(
             self._call(
                 lambda: self._result(
@@ -222,6 +236,9 @@ class Membership:
 
     def _get_many(self, keys: list[str]) -> list[dict[Any, Any]]:
         """``get(latest=True)`` of several keys (sent back to back, answered concurrently by the DHT)."""
+
+        for key in keys:
+            TRAFFIC.add(f"dht_get.{record_kind(key)}", header=len(key))
 
         def run() -> list[Any]:
             futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]

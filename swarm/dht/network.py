@@ -351,6 +351,10 @@ def start_dht(cfg: DHTConfig) -> hivemind.DHT:
                 check_if_identity_free=tmpdir is None,
                 client_mode=cfg.client_mode,
                 record_validators=validators,
+                # Every read of ours asks for the latest value (``latest=True``), which hivemind's cache
+                # cannot answer; refreshing cached keys before they expire only re-fetched them in the
+                # background, on every node that had read them (benchmarks/control_plane.py measures it).
+                cache_refresh_before_expiry=0,
             )
         except P2PDaemonError as e:
             raise _daemon_failure(e, cfg) from e

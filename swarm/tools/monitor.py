@@ -77,7 +77,7 @@ class MonitorConfig:
     port: int = 8080
     """TCP port of the web server; 0 = any free port (see ``Monitor.url``)."""
     poll_interval_s: float = 2.0
-    """Seconds between two DHT reads. Lower is fresher but costs DHT traffic; records refresh every 5 s."""
+    """Seconds between two DHT reads. Lower is fresher but costs DHT traffic; peer records refresh every 15 s or on a change."""
     refresh_s: float = 3.0
     """Seconds between two refreshes of an open page (its script fetches ``/fragment``)."""
     history: int = 2000

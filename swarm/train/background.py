@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from swarm.errors import PeerFailure
 from swarm.train.events import Refreshed
@@ -21,18 +21,50 @@ if TYPE_CHECKING:
     from swarm.train.events import Inbox
     from swarm.train.steps import StepBook
 
-__all__ = ["refresh_loop", "Publisher"]
+__all__ = ["refresh_loop", "next_refresh_s", "records_view", "Publisher"]
+
+
+REFRESH_BACKOFF = 2.0
+"""Factor by which the period between two reads of the stage records grows while nothing changes."""
+REFRESH_MAX_FACTOR = 5.0
+"""The longest period between two reads, in multiples of ``every_s``."""
+
+
+def records_view(records: Sequence[Mapping[str, Any]]) -> tuple:
+    """What a change of the stage lists means for routing: per stage, the peers and their states."""
+    return tuple(tuple(sorted((pid, r.state) for pid, r in st.items())) for st in records)
+
+
+def next_refresh_s(current_s: float, every_s: float, *, changed: bool, complete: bool) -> float:
+    """The period until the next read of the stage records (note "refresh backoff").
+
+    ``every_s`` right after a change or while a stage has no online peer (a trainer waits for joiners
+    there); otherwise the period doubles, up to ``REFRESH_MAX_FACTOR x every_s``: a joiner of a complete
+    run is found within that, a dead peer never waited for (probes find it: swarm/client/liveness.py).
+    """
+    if changed or not complete:
+        return every_s
+    return min(current_s * REFRESH_BACKOFF, every_s * REFRESH_MAX_FACTOR)
 
 
 async def refresh_loop(link: SwarmLink, inbox: Inbox, *, every_s: float, event: Callable[..., None]) -> None:
-    """Every ``every_s`` (jittered), the stage records, for the loop to route with."""
+    """The stage records, for the loop to route with: every ``every_s`` (jittered), less often while
+    they do not change (:func:`next_refresh_s`)."""
+    period, seen = every_s, None
     while True:
-        await asyncio.sleep(every_s * random.uniform(0.8, 1.2))
+        await asyncio.sleep(period * random.uniform(0.8, 1.2))
         try:
-            inbox.put(Refreshed(await link.stage_records()))
+            records = await link.stage_records()
         except PeerFailure as e:
             event("dht_error", detail=str(e)[:200])
             inbox.wake.set()
+            period = every_s
+            continue
+        inbox.put(Refreshed(records))
+        view = records_view(records)
+        complete = all(any(r.state == "online" for r in st.values()) for st in records)
+        period = next_refresh_s(period, every_s, changed=view != seen, complete=complete)
+        seen = view
 
 
 class Publisher:

@@ -54,10 +54,12 @@ class TrainerConfig:
     """Held-out micro-batches per evaluation."""
     progress_interval_s: float = number(10.0, gt=0.0, hint="Give a positive number of seconds.")
     """Seconds between progress lines when the output is not a terminal."""
-    publish_every_s: float = number(5.0, gt=0.0, hint="Give a positive number of seconds.")
-    """Seconds between publications of this trainer's progress to the DHT (`swarm status` reads it)."""
+    publish_every_s: float = number(15.0, gt=0.0, hint="Give a positive number of seconds.")
+    """Seconds between publications of this trainer's progress to the DHT (`swarm status` reads it; the
+    record lives 60 s, so three publications may be lost)."""
     refresh_every_s: float = number(2.0, gt=0.0, hint="Give a positive number of seconds.")
-    """Seconds between re-reads of the stage peers' records."""
+    """Seconds between re-reads of the stage peers' records; while they do not change the period grows
+    to 5x this (swarm/train/background.py, ``next_refresh_s``)."""
     spec_timeout_s: float = number(60.0, gt=0.0, hint="Give a positive number of seconds.")
     """How long to wait for the run spec to appear in the DHT."""
     call_timeout_s: float = number(5.0, gt=0.0, hint="Give a positive number of seconds.")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from swarm.traffic import TRAFFIC
 from swarm.train.logging_sinks import make_sinks
 from swarm.train.metrics import (
     MetricsWriter,
@@ -120,6 +121,7 @@ def write_summary(
                 str(st): {p: round(v, 4) for p, v in d.items()} for st, d in book.peer_loss.items()
             },
             "codecs": {"activations": spec.codecs.activations, "gradients": spec.codecs.gradients},
+            "traffic": TRAFFIC.snapshot(),  # what this trainer sent, by kind (swarm/traffic.py)
         },
     )
     if not records:  # no files: the summary still needs the numbers the ledger knows

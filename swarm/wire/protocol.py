@@ -39,7 +39,8 @@ wrote (never by a word anywhere in it, which a peer id could contain).
 
 Flow of one training micro-batch (the trainer's view is in swarm/train/trainer.py's module docstring)
 ------------------------------------------------------------------------------------------
-1. trainer -> route[0]     ``FORWARD``  (tokens and targets in the header, empty payload)
+1. trainer -> route[0]     ``FORWARD``  (tokens and targets in the header, empty payload; one window of
+   ``seq + 1`` ids when the targets are the tokens shifted by one: note "shifted window")
 2. route[s] -> route[s+1]  ``FORWARD``  (payload = encoded activation of stage s)
 3. last stage: loss; ``REPORT`` kind ``loss`` to the trainer; then, in ``train`` mode,
    route[S-1] -> route[S-2] ``BACKWARD`` (payload = encoded gradient w.r.t. that stage's input)
@@ -80,6 +81,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerErr
 from hivemind.proto import runtime_pb2
 
 from swarm.errors import Failure, PeerFailure, RequestError
+from swarm.traffic import TRAFFIC, message_kind
 
 __all__ = [
     "PROTOCOL_TAG",
@@ -98,6 +100,7 @@ __all__ = [
     "BackwardHeader",
     "Report",
     "pack_tokens",
+    "pack_ids",
     "token_width",
     "TOKEN_WIDTHS",
     "unpack_tokens",
@@ -191,7 +194,10 @@ class ForwardHeader:
     (reports go there). ``tokens`` and ``targets`` are little-endian token ids of shape ``(batch, seq)``,
     1, 2 or 4 bytes each (uint8 / uint16 / int32, the narrowest that holds the run's vocabulary: see
     :func:`pack_tokens`; both of one width), ``targets`` empty in ``generate`` mode. ``mb_id`` is unique
-    per attempt.
+    per attempt. ``shifted`` (note "shifted window"): ``tokens`` holds ``(batch, seq + 1)`` ids, the inputs
+    are its first ``seq`` columns and the targets its last ``seq`` (a trainer's targets are its tokens
+    shifted by one), ``targets`` is empty: every hop carries ``seq + 1`` ids instead of ``2 x seq``.
+    Read both with :meth:`token_ids`.
     """
 
     run_id: str
@@ -216,11 +222,23 @@ class ForwardHeader:
     # sync mode: the trainer's step this micro-batch belongs to (-1: async). A replica that sees a newer
     # window of a trainer knows the previous one is over everywhere (peer/replicas.py).
     window: int = -1
+    shifted: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["route"] = list(self.route)
+        if not self.shifted:  # absent = False: the header of an unshifted micro-batch is unchanged
+            del d["shifted"]
         return d
+
+    def token_ids(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ``(batch, seq)`` token ids and targets (None when the header has none), refusing ids outside
+        ``[0, vocab_size)``."""
+        if self.shifted:
+            win = unpack_tokens(self.tokens, self.batch, self.seq + 1, vocab_size)
+            return win[:, :-1].contiguous(), win[:, 1:].contiguous()
+        tokens = unpack_tokens(self.tokens, self.batch, self.seq, vocab_size)
+        return tokens, unpack_tokens(self.targets, self.batch, self.seq, vocab_size) if self.targets else None
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> ForwardHeader:
@@ -237,14 +255,23 @@ class ForwardHeader:
         seq = _check_int(_get(d, "seq", int, what), "seq", what, 1, 1 << 20)
         tokens = _get(d, "tokens", bytes, what)
         targets = _get(d, "targets", bytes, what)
-        width = _width_of(tokens, batch, seq)
+        shifted = d.get("shifted", False)
+        if not isinstance(shifted, bool):
+            raise RequestError(f"{what}: 'shifted' must be a bool, got {type(shifted).__name__}")
+        cols = seq + 1 if shifted else seq
+        width = _width_of(tokens, batch, cols)
         if width is None:
             raise RequestError(
-                f"{what}: 'tokens' holds {len(tokens)} bytes, expected batch*seq*width = {batch}*{seq}*"
-                f"{'|'.join(map(str, TOKEN_WIDTHS))}"
+                f"{what}: 'tokens' holds {len(tokens)} bytes, expected batch*{'(seq+1)' if shifted else 'seq'}"
+                f"*width = {batch}*{cols}*{'|'.join(map(str, TOKEN_WIDTHS))}"
             )
         n = batch * seq * width
-        if len(targets) not in ((0, n) if mode == "generate" else (n,)):
+        if shifted and (targets or mode == "generate"):
+            raise RequestError(
+                f"{what}: a shifted window carries the targets in 'tokens': 'targets' must be empty and the "
+                f"mode not 'generate' (got {len(targets)} target bytes, mode {mode!r})"
+            )
+        if not shifted and len(targets) not in ((0, n) if mode == "generate" else (n,)):
             raise RequestError(
                 f"{what}: 'targets' holds {len(targets)} bytes, expected {n} (the width of 'tokens') "
                 f"in mode {mode!r}"
@@ -269,6 +296,7 @@ class ForwardHeader:
             stats=_check_stats(d.get("stats", {}), what),
             counted_from=_opt_int(d, "counted_from", -1, what, -1, len(route)),
             window=_opt_int(d, "window", -1, what, -1, 1 << 62),
+            shifted=shifted,
         )
 
 
@@ -452,6 +480,27 @@ def pack_tokens(tokens: torch.Tensor, vocab_size: int | None = None) -> bytes:
     return t.contiguous().numpy().astype(_TOKEN_DTYPES[token_width(vocab_size)]).tobytes()
 
 
+def pack_ids(
+    tokens: torch.Tensor, targets: torch.Tensor | None, vocab_size: int | None = None
+) -> tuple[bytes, bytes, bool]:
+    """``(tokens, targets, shifted)`` header fields for a micro-batch: one ``(B, T + 1)`` window when the
+    targets are the tokens shifted by one (note "shifted window" in :class:`ForwardHeader`), both
+    apart otherwise."""
+    if targets is None:
+        return pack_tokens(tokens, vocab_size), b"", False
+    if (
+        tokens.dim() == 2
+        and targets.shape == tokens.shape
+        and torch.equal(tokens[:, 1:].to(torch.int64), targets[:, :-1].to(torch.int64))
+    ):
+        return (
+            pack_tokens(torch.cat([tokens, targets[:, -1:].to(tokens.dtype)], dim=1), vocab_size),
+            b"",
+            True,
+        )
+    return pack_tokens(tokens, vocab_size), pack_tokens(targets, vocab_size), False
+
+
 def unpack_tokens(data: bytes, batch: int, seq: int, vocab_size: int) -> torch.Tensor:
     """Token bytes of any width in :data:`TOKEN_WIDTHS` -> (B, T) LongTensor, refusing ids outside
     ``[0, vocab_size)``."""
@@ -602,8 +651,9 @@ async def serve(
                 max_payload_bytes=max_payload_bytes,
                 gate=None if gate is None else (lambda header: gate(name, remote, header)),
             )
-            reply = await handler(message, context.remote_id)
-            return _reply({"ok": True, **reply})
+            reply = _reply({"ok": True, **await handler(message, context.remote_id)})
+            TRAFFIC.add(f"reply.{message_kind(name)}", header=len(reply.metadata))
+            return reply
         except RequestError as e:
             if on_refused is not None:
                 on_refused(e)
@@ -661,6 +711,7 @@ async def call(
         header = auth.sign_request(name, str(p2p.peer_id), str(peer_id), header)
         message = Message(header, message.payload)
     parts = to_parts(message)
+    TRAFFIC.add(message_kind(name), header=len(parts[0].metadata), payload=len(message.payload))
     try:
         response = await asyncio.wait_for(_first_response(p2p, peer_id, name, parts), timeout=timeout_s)
     except asyncio.TimeoutError:

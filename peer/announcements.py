@@ -1,0 +1,90 @@
+"""When a stage peer stores its record in the DHT again (pure logic; the loop is in peer/loops.py).
+
+Why not every round: a DHT store is not one small message. hivemind looks up the nodes nearest the
+key and stores the signed value on several of them, and the stage list a peer reads back each round
+is answered by every node that holds it; measured in the network lab (benchmarks/control_plane.py)
+the announce rounds of 4 idle peers cost ~23 KB/s, more than the whole activation payload of a
+subspace-compressed run. Most rounds change nothing anyone reads.
+
+The rule (note "announce on change"): the announce loop still ticks every ``announce_period_s`` (it
+folds the throughput, looks at rebalancing). A tick stores the record
+
+- at once when something others act on changed: ``state``, ``stage``, the codecs, the spec hash, the
+  software version, or the throughput by more than ``throughput_factor`` either way (trainers weight
+  routes by it);
+- otherwise only when the last store is ``refresh_ticks`` ticks old: the record must not expire.
+
+``version`` and ``queue`` ride along with the next store: trainers learn a peer's queue from every
+acknowledgement, replicas and keepers compare versions against their own state, and the monitor
+shows them up to one refresh late. A record lives ``3 x refresh`` (two lost refreshes tolerated, as
+before); a dead peer's record therefore outlives it by up to that much, which trainers and replicas
+do not wait for: they probe peers with ``INFO`` and a dead peer's connection fails at once (note
+"liveness probes" in swarm/client/liveness.py). Changes of state (joining, online, leaving) are
+stored by their callers at once, with the same lifetime (a ``leaving`` record must not expire before
+the ``online`` one it replaces: the later expiration wins for a subkey).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["AnnounceRule", "MATERIAL_FIELDS", "REFRESH_TICKS"]
+
+REFRESH_TICKS = 3
+"""Ticks of the announce loop between two stores of an unchanged record."""
+MATERIAL_FIELDS = ("peer_id", "run_id", "stage", "state", "codecs", "spec_hash", "software")
+"""Record fields whose change is stored at once."""
+
+
+@dataclass
+class AnnounceRule:
+    """Remembers the last stored record and says whether a tick must store the current one."""
+
+    period_s: float
+    refresh_ticks: int = REFRESH_TICKS
+    throughput_factor: float = 1.5
+    last: Any = field(default=None, repr=False)
+    last_at: float = -math.inf
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.period_s) and self.period_s > 0):
+            raise ValueError(f"announce period {self.period_s!r} s must be a positive number of seconds")
+        if self.refresh_ticks < 1:
+            raise ValueError(f"refresh_ticks = {self.refresh_ticks} must be at least 1")
+        if not self.throughput_factor > 1:
+            raise ValueError(f"throughput_factor = {self.throughput_factor} must be above 1")
+
+    @property
+    def refresh_s(self) -> float:
+        return self.period_s * self.refresh_ticks
+
+    @property
+    def expiration_s(self) -> float:
+        """The lifetime every store of this peer's record gets."""
+        return 3 * self.refresh_s
+
+    def reason(self, record: Any, now: float) -> str | None:
+        """Why ``record`` must be stored at ``now`` ("first", "changed: state", "throughput",
+        "refresh"), or None when the stored one still says all that matters."""
+        if self.last is None:
+            return "first"
+        for name in MATERIAL_FIELDS:
+            if getattr(record, name) != getattr(self.last, name):
+                return f"changed: {name}"
+        if _moved(self.last.throughput, record.throughput, self.throughput_factor):
+            return "throughput"
+        # a tick is jittered (0.8..1.2 periods): refresh on the tick that would otherwise come too late
+        if now - self.last_at >= self.refresh_s - 0.5 * self.period_s:
+            return "refresh"
+        return None
+
+    def stored(self, record: Any, now: float) -> None:
+        self.last, self.last_at = record, now
+
+
+def _moved(old: float, new: float, factor: float) -> bool:
+    if old <= 0 or new <= 0:
+        return (old <= 0) != (new <= 0)
+    return not 1 / factor <= new / old <= factor

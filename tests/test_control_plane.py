@@ -1,0 +1,201 @@
+"""The control plane's pure parts: traffic counters (swarm/traffic.py), the announce-on-change rule
+(peer/announcements.py), the trainer's refresh backoff (swarm/train/background.py) and the breakdown of
+the control-plane benchmark (benchmarks/control_plane.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from benchmarks.control_plane import breakdown, markdown_section, peer_traffic
+from peer.announcements import MATERIAL_FIELDS, AnnounceRule
+from swarm.dht.records import PeerRecord
+from swarm.traffic import Traffic, from_stats, message_kind, per_token, record_kind
+from swarm.train.background import REFRESH_MAX_FACTOR, next_refresh_s, records_view
+
+PID = "QmYaXWzrw9Jz2WeMeFun9F5yreTfrWkTLuUqWx4BmxK6FT"
+
+
+def record(**kw) -> PeerRecord:
+    base = dict(
+        peer_id=PID,
+        run_id="r",
+        stage=1,
+        state="online",
+        throughput=1000.0,
+        queue=0,
+        version=3,
+        codecs=("blockwise8",),
+        spec_hash="a" * 16,
+    )
+    return PeerRecord(**(base | kw))
+
+
+# ------------------------------------------------------------------------------------ traffic
+
+
+def test_traffic_counts_by_kind_and_round_trips_through_stats():
+    t = Traffic()
+    t.add("forward", header=100, payload=1000)
+    t.add("forward", header=50)
+    t.add("dht_store.stage", header=10, payload=200)
+    snap = t.snapshot()
+    assert snap["forward"] == {"count": 2, "header": 150, "payload": 1000}
+    stats = t.as_stats()
+    assert stats["traffic.dht_store.stage.payload"] == 200.0
+    # kinds with dots survive the flat stats a peer logs; other stats are ignored
+    assert from_stats({**stats, "forwards": 7.0, "traffic.bad": 1.0}) == snap
+    t.reset()
+    assert t.snapshot() == {}
+
+
+def test_traffic_refuses_negative_bytes():
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Traffic().add("forward", header=-1)
+
+
+def test_kind_names():
+    assert message_kind("swarmpipe.stage.forward") == "forward"
+    assert message_kind("swarmpipe.trainer.report") == "report"
+    assert record_kind("swarmpipe_links-x_stage_3") == "stage"
+    assert record_kind("swarmpipe_my_run_progress") == "progress"
+
+
+def test_per_token_sums_processes():
+    a = {"forward": {"count": 2, "header": 100, "payload": 1000}}
+    b = {
+        "forward": {"count": 2, "header": 300, "payload": 0},
+        "report": {"count": 1, "header": 50, "payload": 0},
+    }
+    pt = per_token([a, b], 100)
+    assert pt["forward"] == {"count": 0.04, "header": 4.0, "payload": 10.0}
+    assert pt["report"]["header"] == 0.5
+    with pytest.raises(ValueError, match="tokens = 0"):
+        per_token([a], 0)
+
+
+# ---------------------------------------------------------------------------- announce rule
+
+
+def test_first_tick_stores_then_only_on_refresh():
+    rule = AnnounceRule(period_s=5.0)
+    r = record()
+    assert rule.reason(r, 0.0) == "first"
+    rule.stored(r, 0.0)
+    # version and queue change every step: they ride along with the next refresh
+    busy = dataclasses.replace(r, version=9, queue=4, throughput=1200.0)
+    assert rule.reason(busy, 5.0) is None
+    assert rule.reason(busy, 10.0) is None
+    assert rule.reason(busy, 12.5) == "refresh"  # 3 ticks of 5 s, ticks jittered by +-20%
+    assert rule.expiration_s == 45.0  # 3 refreshes: two lost ones tolerated
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"state": "leaving"},
+        {"stage": 2},
+        {"codecs": ("fp16",)},
+        {"spec_hash": "b" * 16},
+        {"software": "0.0.1"},
+    ],
+)
+def test_a_material_change_is_stored_at_once(change):
+    rule = AnnounceRule(period_s=5.0)
+    rule.stored(record(), 0.0)
+    reason = rule.reason(record(**change), 0.1)
+    assert reason == f"changed: {next(iter(change))}"
+    assert next(iter(change)) in MATERIAL_FIELDS
+
+
+def test_throughput_is_stored_when_it_moves_by_the_factor():
+    rule = AnnounceRule(period_s=5.0, throughput_factor=1.5)
+    rule.stored(record(throughput=1000.0), 0.0)
+    assert rule.reason(record(throughput=1400.0), 1.0) is None
+    assert rule.reason(record(throughput=1600.0), 1.0) == "throughput"
+    assert rule.reason(record(throughput=600.0), 1.0) == "throughput"
+    rule.stored(record(throughput=0.0), 0.0)
+    assert rule.reason(record(throughput=0.0), 1.0) is None
+    assert rule.reason(record(throughput=5.0), 1.0) == "throughput"
+
+
+@pytest.mark.parametrize(
+    "kw", [{"period_s": 0.0}, {"period_s": float("nan")}, {"refresh_ticks": 0}, {"throughput_factor": 1.0}]
+)
+def test_announce_rule_refuses_bad_settings(kw):
+    with pytest.raises(ValueError):
+        AnnounceRule(**({"period_s": 5.0} | kw))
+
+
+# ---------------------------------------------------------------------------- refresh backoff
+
+
+def test_refresh_backs_off_while_nothing_changes():
+    p = 2.0
+    p = next_refresh_s(p, 2.0, changed=False, complete=True)
+    assert p == 4.0
+    p = next_refresh_s(p, 2.0, changed=False, complete=True)
+    p = next_refresh_s(p, 2.0, changed=False, complete=True)
+    assert p == 2.0 * REFRESH_MAX_FACTOR
+    assert next_refresh_s(p, 2.0, changed=True, complete=True) == 2.0
+    assert next_refresh_s(p, 2.0, changed=False, complete=False) == 2.0  # a stage waits for a joiner
+
+
+def test_records_view_sees_peers_and_states_only():
+    a = [{PID: record()}, {}]
+    assert records_view(a) == records_view([{PID: record(version=99, queue=5)}, {}])
+    assert records_view(a) != records_view([{PID: record(state="leaving")}, {}])
+
+
+# ---------------------------------------------------------------------------- benchmark logic
+
+
+def test_peer_traffic_reads_the_last_stopping_line():
+    stats = {"forwards": 3.0, "traffic.forward.count": 3.0, "traffic.forward.header": 900.0}
+    log = "noise\npeer X stopping: stash 0, version 2, counters " + json.dumps(stats) + "\nmore\n"
+    assert peer_traffic(log) == {"forward": {"count": 3, "header": 900, "payload": 0}}
+
+
+def _result(**kw):
+    base = {
+        "payload_bytes_per_token": 100.0,
+        "wire_bytes_per_token": 160.0,
+        "idle_tx_bytes_per_s_by_node": {"a": 10.0, "b": 10.0},
+        "measured_s": 10.0,
+        "keeper_snapshot_bytes": 0,
+        "tokens": 1000,
+    }
+    return base | kw
+
+
+def test_breakdown_adds_up():
+    traffic = [
+        {
+            "forward": {"count": 4, "header": 8000, "payload": 60000},
+            "report": {"count": 2, "header": 1000, "payload": 0},
+        },
+        {
+            "backward": {"count": 3, "header": 1000, "payload": 40000},
+            "dht_store.stage": {"count": 2, "header": 0, "payload": 500},
+        },
+    ]
+    b = breakdown(_result(), traffic, tokens=1000)
+    assert b["serialised"]["payload (activations, gradients)"] == 100.0
+    assert b["serialised"]["FORWARD headers"] == 8.0
+    assert b["serialised_control"] == 10.0
+    assert b["background_wire"] == 0.2  # 20 B/s x 10 s / 1000 tokens
+    assert b["framing_and_rest"] == pytest.approx(160 - 100 - 10 - 0.2)
+    assert b["ratio"] == pytest.approx(0.6)
+    assert b["dht_stored_values"] == {"stage": 0.5}
+    text = markdown_section(
+        {
+            "variants": {
+                "after": {
+                    "runs": [{"label": "blockwise8", "rate": "none", "tokens_per_s": 1.0, "breakdown": b}]
+                }
+            }
+        }
+    )
+    assert "| **non-payload / payload** | 0.600 |" in text and "**no**" in text
