@@ -236,6 +236,50 @@ def _venv_tool(name: str) -> str | None:
     return str(path) if path.exists() else None
 
 
+# ------------------------------------------------------------------------------ the machine
+
+_MATMUL = """
+import time, torch
+torch.set_num_threads(1)
+a, w = torch.randn(1024, 512), torch.randn(512, 2048)
+for _ in range(3):
+    a @ w
+t0, c0, n = time.perf_counter(), time.process_time(), 0
+while time.perf_counter() - t0 < {seconds}:
+    a @ w
+    n += 1
+print(n / (time.process_time() - c0), n / (time.perf_counter() - t0))
+"""
+
+
+def parallel_efficiency(seconds: float = 4.0) -> dict[str, float]:
+    """Single-threaded matmuls per CPU second with one process alone and with one process per core at
+    once. On a VM whose vCPUs share physical cores or memory bandwidth the second is lower: the same
+    compute then costs more CPU seconds when every core is busy (as in an async swarm) than when one
+    is (as in a pipeline that waits)."""
+    code = _MATMUL.format(seconds=seconds)
+
+    def run(n: int) -> list[list[float]]:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+            for _ in range(n)
+        ]
+        return [[float(x) for x in p.communicate(timeout=120)[0].split()] for p in procs]
+
+    alone = run(1)[0]
+    cores = os.cpu_count() or 1
+    together = run(cores)
+    per_cpu_s = sum(r[0] for r in together) / cores
+    return {
+        "alone_per_cpu_s": alone[0],
+        "alone_per_s": alone[1],
+        "all_cores_per_cpu_s": per_cpu_s,
+        "all_cores_per_s_total": sum(r[1] for r in together),
+        "efficiency": per_cpu_s / alone[0],
+        "cores": cores,
+    }
+
+
 # ------------------------------------------------------------------------------ runs
 
 
@@ -307,6 +351,11 @@ def run_all(cfg: OverheadConfig) -> dict[str, Any]:
     )
     lcfg = dataclasses.replace(lcfg, **cfg.links)
     out: dict[str, Any] = {"config": asdict(cfg), "machine": machine_info(), "runs": {}}
+    out["parallel"] = parallel_efficiency()
+    print(
+        f"machine: matmul CPU efficiency with every core busy = {out['parallel']['efficiency']:.2f}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         for kind in ("swarm", "pipelining"):
             pair = []
@@ -420,6 +469,21 @@ def markdown_section(report: dict[str, Any]) -> str:
             f"{swarm['total'] / pipe['total']:.2f}x the CPU per token of torch pipelining; on a machine whose "
             "cores all stage processes share, tokens/s can be at most about the inverse of that ratio.",
         ]
+    par = report.get("parallel")
+    if par:
+        lines += [
+            "",
+            f"Machine check (note in `parallel_efficiency`): one single-threaded matmul process alone does "
+            f"{par['alone_per_cpu_s']:.1f} matmuls per CPU second; {par['cores']} at once (one per core) "
+            f"{par['all_cores_per_cpu_s']:.1f} each, {par['efficiency']:.2f} of that, and "
+            f"{par['all_cores_per_s_total'] / par['alone_per_s']:.2f}x one process's rate together.",
+        ]
+        for kind in ("swarm", "pipelining"):
+            r = report["runs"][kind]["long"]
+            used = (r.get("tokens_per_s") or 0.0) * report["runs"][kind]["marginal"]["total"] / 1000.0
+            lines.append(
+                f"- {kind}: {r.get('tokens_per_s') or 0:.0f} tokens/s in the long run, about {used:.2f} cores busy."
+            )
     if report.get("profile"):
         lines += ["", "Compute threads of the stage peers, share of py-spy samples by kind of work:", ""]
         kinds = sorted({k for d in report["profile"].values() for k in d})
