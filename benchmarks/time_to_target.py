@@ -122,18 +122,18 @@ class TargetConfig:
     rates: tuple[str, ...] = ("100mbit", "20mbit")
     swarms: tuple[str, ...] = DEFAULT_SWARMS
     """Swarm configurations, see :func:`parse_swarm`."""
-    accumulate: int = 8
+    accumulate: int = 4
     """Micro-batches per optimizer step on every side (1F1B's ``n_micro``, the swarm's ``accumulate``)."""
     lr_warmup_steps: int = 4
     target_mb: int = 96
     """N = this many micro-batches: the reference's held-out loss there is the target."""
-    eval_every: int = 1
+    eval_every: int = 2
     """Optimizer steps between held-out evaluations (every run, the reference included)."""
     eval_batches: int = 4
     """Held-out micro-batches per evaluation."""
     tolerance: float = 1e-3
     """Reached = held-out loss <= target x (1 + tolerance)."""
-    max_factor: float = 4.0
+    max_factor: float = 3.0
     """Cap of a run: this many times N tokens."""
     max_train_s: float = 420.0
     """Cap of a run: seconds of its clock (see the module docstring)."""
