@@ -19,7 +19,12 @@ stage F ms forward, B ms backward) and ``benchmarks/gpu_check.py`` with the stag
 (``--device cuda``); both through ``benchmarks/busy.py``, which also counts each rank's busy seconds.
 Each rank runs ``python -m benchmarks.pipelining_baseline --worker ...`` and writes one JSON file:
 per-step wall times and busy seconds, the last rank's losses, its peak resident memory (VmHWM) and,
-on CUDA, its peak GPU memory.
+on CUDA, its peak GPU memory. With ``eval_every`` the ranks also evaluate held-out loss through the
+pipeline between steps (``benchmarks/pipe_heldout.py``) and, with ``target_loss``, stop together at the
+first evaluation at or below it (``benchmarks/time_to_target.py``).
+
+(Over 400 lines: the rank, the driver, the summary and the command line of one baseline, which share
+``PipeConfig``; the held-out evaluation is a module of its own.)
 """
 
 from __future__ import annotations

@@ -302,20 +302,7 @@ def run_all(
     spec = RunSpec.from_dict(base)
     stage_nodes = [f"s{i}" for i in range(spec.num_stages)]
     nodes: dict[str, Any] = {"boot": "boot", "trainer": "trainer", "stages": stage_nodes}
-    report: dict[str, Any] = {
-        "name": name,
-        "command": command,
-        "config": asdict(cfg),
-        "machine": machine_info(),
-        "commit": _commit(),
-        "n_params": spec.n_params(),
-        "num_stages": spec.num_stages,
-        "micro_batch": f"{spec.micro_batch_size}x{spec.model.seq_len}",
-        "tokens_per_mb": spec.tokens_per_micro_batch,
-        "target_tokens": cfg.target_mb * spec.tokens_per_micro_batch,
-        "results": [],
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-    }
+    report = _header(cfg, spec, name, command)
     out_json = results_dir / f"{name}.json"
     t0 = time.perf_counter()
     target: float | None = None
@@ -359,6 +346,24 @@ def run_all(
     report["wall_min"] = (time.perf_counter() - t0) / 60
     out_json.write_text(json.dumps(report, indent=1, default=str))
     return report
+
+
+def _header(cfg: TargetConfig, spec: Any, name: str, command: str) -> dict[str, Any]:
+    """The report's fixed part: what ran, where, on which model."""
+    return {
+        "name": name,
+        "command": command,
+        "config": asdict(cfg),
+        "machine": machine_info(),
+        "commit": _commit(),
+        "n_params": spec.n_params(),
+        "num_stages": spec.num_stages,
+        "micro_batch": f"{spec.micro_batch_size}x{spec.model.seq_len}",
+        "tokens_per_mb": spec.tokens_per_micro_batch,
+        "target_tokens": cfg.target_mb * spec.tokens_per_micro_batch,
+        "results": [],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
 
 
 def _commit() -> str | None:
