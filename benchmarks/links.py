@@ -1142,7 +1142,9 @@ def markdown_section(report: dict[str, Any]) -> str:
             "synchronous and uncompressed, so it is given the `none sync` run's tokens) / tokens/s of the "
             "same configuration measured at that rate in this run. Derived, not a training run to the target "
             "at each rate: in sync mode the loss per token does not depend on the link, only the tokens/s "
-            "does; in async mode staleness depends on timing, so its figures are estimates.",
+            "does; in async mode staleness depends on timing, so its figures are estimates. Measured "
+            'runs to a target at 100mbit and 20mbit: section "Time to quality (measured)" '
+            "(benchmarks/time_to_target.py).",
             "",
             "| codec, mode | tokens to target | " + " | ".join(f"tokens/s, s @ {r}" for r in rates) + " |",
             "|---|---|" + "---|" * len(rates),
