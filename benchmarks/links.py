@@ -737,8 +737,14 @@ def swarm_figures(
         "train_s": steps[-1]["time"] if steps else None,
         "losses": [{"tokens": r["tokens"], "wall_s": r["time"], "loss": r.get("loss")} for r in steps],
         "evals": [
-            {"step": r.get("step"), "tokens": r["tokens"], "wall_s": r["time"], "eval_loss": r["eval_loss"]}
+            {
+                "step": r.get("step"),
+                "tokens": r.get("tokens"),
+                "wall_s": r.get("time"),
+                "eval_loss": r["eval_loss"],
+            }
             for r in evals
+            if r.get("tokens") is not None and r.get("time") is not None
         ],
         "first_send_s": _first_send(steps),
         "eval_loss": evals[-1]["eval_loss"] if evals else summary.get("eval_loss_last"),

@@ -397,7 +397,7 @@ def quick_config(**kw: Any) -> TargetConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from benchmarks.time_to_target_report import SECTION, analyse, markdown_section
+    from benchmarks.time_to_target_report import SECTION, analyse, markdown_section, plot
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.time_to_target",
@@ -424,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = json.loads((RESULTS_DIR / f"{args.render}.json").read_text())
         stored = {k: tuple(v) if isinstance(v, list) else v for k, v in report["config"].items()}
         report["analysis"] = analyse(TargetConfig(**stored), report)
+        report["plots"] = plot(report, args.render, RESULTS_DIR)
         reading = RESULTS_DIR / f"{args.render}_reading.md"
         if reading.exists():
             report["reading"] = reading.read_text().strip()

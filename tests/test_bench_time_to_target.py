@@ -171,3 +171,28 @@ def test_time_to_target_benchmark_smoke(tmp_path):
     assert (tmp_path / "ttt_smoke.png").exists() and (tmp_path / "ttt_smoke.json").exists()
     section = markdown_section(report)
     assert section.startswith(SECTION) and "1F1B s / swarm s" in section
+
+
+def test_swarm_figures_keep_evaluations_and_the_first_send(tmp_path):
+    from benchmarks.links import read_records, swarm_figures
+
+    records = [
+        {"type": "event", "event": "start", "time": 0.0},
+        {
+            "type": "step",
+            "step": 1,
+            "tokens": 100,
+            "time": 7.0,
+            "tokens_per_s": 50.0,
+            "loss": 5.0,
+        },  # sent at 5 s
+        {"type": "eval", "step": 1, "tokens": 100, "time": 8.0, "eval_loss": 4.5},
+        {"type": "step", "step": 2, "tokens": 200, "time": 9.0, "tokens_per_s": 50.0, "loss": 4.0},
+    ]
+    fig = swarm_figures(records, {}, tokens_per_mb=50, warmup_mb=0, window_mb=2)
+    assert fig["first_send_s"] == 5.0
+    assert fig["evals"] == [{"step": 1, "tokens": 100, "wall_s": 8.0, "eval_loss": 4.5}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "step", "step": 1}\n{"type": "st')  # a line still being written
+    assert read_records(path) == [{"type": "step", "step": 1}]
+    assert read_records(tmp_path / "missing.jsonl") == []
