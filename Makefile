@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup test test-fast test-integration browser demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick bench-bubbles bench-control-plane gpu-check clean
+.PHONY: setup test test-fast test-integration browser demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick bench-bubbles bench-control-plane bench-time-to-target bench-time-to-target-quick gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,13 @@ bench-links-quick: setup
 # `python -m benchmarks.control_plane --render` for BENCHMARKS.md (section "Control plane").
 bench-control-plane: setup
 	$(BIN)/python -m benchmarks.control_plane --variant after
+
+# Measured time to a target held-out loss, 1F1B vs the swarm, at 100 and 20 Mbit/s (root, like bench-links).
+bench-time-to-target: setup
+	$(BIN)/python -m benchmarks.time_to_target
+
+bench-time-to-target-quick: setup
+	$(BIN)/python -m benchmarks.time_to_target --quick
 
 # Training quality: swarms on loopback vs one process (108 runs, hours on 2 cores; --quick: minutes).
 bench-convergence: setup

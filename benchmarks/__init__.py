@@ -6,6 +6,9 @@
 - ``pipelining_baseline.py``: ``torch.distributed.pipelining`` over gloo, the baseline to beat.
 - ``single_process.py``: the same model trained in one process (the compute-bound limit).
 - ``links.py``: the swarm vs. the baselines over shaped links (throughput, bytes, memory, convergence).
+- ``time_to_target.py`` (report: ``time_to_target_report.py``): measured runs of 1F1B and swarm
+  configurations to the held-out loss one process reaches after N tokens, at shaped rates;
+  ``pipe_heldout.py`` evaluates a pipelining run through its pipeline.
 - ``markdown.py``: each benchmark rewrites only its own section of ``BENCHMARKS.md``.
 - ``convergence.py``: held-out loss of loopback swarms (1/2/4 peers per stage, sync/async, codecs,
   subspace, churn) vs. the same training in one process, over seeds and two corpora.

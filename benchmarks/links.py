@@ -491,6 +491,10 @@ def run_swarm(
     idle_s: float = 0.0,
     keeper: bool = True,
     probe: Callable[[], Any] | None = None,
+    *,
+    eval_every: int | None = None,
+    eval_batches: int | None = None,
+    stop_when: Callable[[list[dict[str, Any]]], bool] | None = None,
 ) -> dict[str, Any]:
     """One swarm run in ``lab``: its spec published by ``swarm init``, one peer per stage, one trainer.
 
@@ -503,6 +507,12 @@ def run_swarm(
     ``keeper=False`` runs ``swarm init`` without its keeper (no stage snapshots downloaded). ``probe()``,
     if given, is called where the link counters are read (start and end of training, end of the idle
     time); its answers are in the result as ``probes`` (e.g. per-connection byte counters).
+
+    The trainer evaluates held-out loss every ``eval_every`` steps (None: once, at the end) on
+    ``eval_batches`` micro-batches (None: its default). ``stop_when(records)`` is asked every half
+    second with the trainer's metrics.jsonl records so far; once it is true the trainer gets SIGTERM (it
+    stops like Ctrl-C: drops what is in flight, writes its summary) and the run ends there
+    (``result["stopped_early"]``).
     """
     sub = f"-ss{job.subspace}" if job.subspace else ""
     run_id = f"links-{job.codec.split(':')[0]}{sub}-{job.mode}-{job.rate}-{os.getpid()}"
@@ -588,7 +598,8 @@ def run_swarm(
             "--out",
             str(out_dir),
             "--eval-every",
-            str(steps),
+            str(eval_every or steps),
+            *(["--eval-batches", str(eval_batches)] if eval_batches else []),
             "--seed",
             "0",
             "--quiet",
@@ -608,10 +619,7 @@ def run_swarm(
         tx0 = {n: lab.tx_bytes(n) for n in [nodes["boot"], nodes["trainer"], *stages]}
         probes = [probe()] if probe else []
         watcher.watch("trainer", trainer.pid)
-        try:
-            trainer.wait(cfg.run_timeout_s)
-        except subprocess.TimeoutExpired:
-            raise SwarmError(f"{job.name}: the trainer did not finish within {cfg.run_timeout_s} s") from None
+        stopped = _wait_trainer(trainer, out_dir / "metrics.jsonl", cfg.run_timeout_s, stop_when, job.name)
         watcher.sample()
         tx1 = {n: lab.tx_bytes(n) for n in tx0}
         probes += [probe()] if probe else []
@@ -622,7 +630,7 @@ def run_swarm(
             idle_window_s = time.perf_counter() - t_trained
             idle = {n: (lab.tx_bytes(n) - tx1[n]) / idle_window_s for n in tx0}
             probes += [probe()] if probe else []
-        if trainer.returncode != 0:
+        if trainer.returncode != 0 and not (stopped and trainer.returncode == 130):
             raise SwarmError(
                 f"{job.name}: trainer exited with {trainer.returncode}:\n"
                 + trainer_log.read_text(errors="replace")[-2000:]
@@ -638,10 +646,9 @@ def run_swarm(
             f.close()
         stale = remove_stale_sockets(socket_prefix())  # of processes that needed SIGKILL
     memory = watcher.report_mb()
-    records = [
-        json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
-    ]
-    summary = json.loads((out_dir / "summary.json").read_text())
+    records = read_records(out_dir / "metrics.jsonl")
+    summary_path = out_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     tokens_per_mb = spec.micro_batch_size * spec.model.seq_len
     result = swarm_figures(
         records, summary, tokens_per_mb=tokens_per_mb, warmup_mb=cfg.warmup_mb, window_mb=cfg.pipe_n_micro
@@ -661,6 +668,7 @@ def run_swarm(
             "micro_batches": job.micro_batches,
             "threads_per_peer": threads,
             "startup_s": t_online - t_start,
+            "stopped_early": stopped,
             "stale_sockets_removed": len(stale),
             "wire_bytes_per_token": wire,
             "wire_bytes_per_token_by_node": None
@@ -681,6 +689,45 @@ def run_swarm(
 def wire_known(tx: dict[str, int | None]) -> bool:
     """Whether the lab counts every node's bytes (a loopback lab counts none)."""
     return all(v is not None for v in tx.values())
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of a trainer's metrics.jsonl (one being written may end in a partial line)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _wait_trainer(
+    trainer: subprocess.Popen,
+    metrics: Path,
+    timeout_s: float,
+    stop_when: Callable[[list[dict[str, Any]]], bool] | None,
+    name: str,
+) -> bool:
+    """Wait for the trainer to exit; True if ``stop_when`` stopped it (SIGTERM) first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            trainer.wait(0.5 if stop_when else timeout_s)
+            return False
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() > deadline:
+            raise SwarmError(f"{name}: the trainer did not finish within {timeout_s} s")
+        if stop_when is not None and stop_when(read_records(metrics)):
+            trainer.send_signal(signal.SIGTERM)
+            try:
+                trainer.wait(60)
+            except subprocess.TimeoutExpired:
+                raise SwarmError(f"{name}: the trainer did not stop within 60 s of SIGTERM") from None
+            return True
 
 
 def swarm_figures(
@@ -719,6 +766,17 @@ def swarm_figures(
         "window_rates": rates,
         "train_s": steps[-1]["time"] if steps else None,
         "losses": [{"tokens": r["tokens"], "wall_s": r["time"], "loss": r.get("loss")} for r in steps],
+        "evals": [
+            {
+                "step": r.get("step"),
+                "tokens": r.get("tokens"),
+                "wall_s": r.get("time"),
+                "eval_loss": r["eval_loss"],
+            }
+            for r in evals
+            if r.get("tokens") is not None and r.get("time") is not None
+        ],
+        "first_send_s": _first_send(steps),
         "eval_loss": evals[-1]["eval_loss"] if evals else summary.get("eval_loss_last"),
         "payload_bytes_per_token": summary.get("bytes_per_token"),
         "uncompressed_bytes_per_token": summary.get("uncompressed_bytes_per_token"),
@@ -726,6 +784,13 @@ def swarm_figures(
         "dropped": mb.get("dropped"),
         "retries": mb.get("retries"),
     }
+
+
+def _first_send(steps: list[dict[str, Any]]) -> float | None:
+    """Seconds from the trainer's start to its first micro-batch, from the first step record (its
+    ``tokens_per_s`` counts from the first send); None without a usable record."""
+    r = next((r for r in steps if r.get("tokens") and r.get("tokens_per_s")), None)
+    return None if r is None else max(0.0, r["time"] - r["tokens"] / r["tokens_per_s"])
 
 
 # -------------------------------------------------------------------------------------- analysis
@@ -1113,7 +1178,9 @@ def markdown_section(report: dict[str, Any]) -> str:
             "synchronous and uncompressed, so it is given the `none sync` run's tokens) / tokens/s of the "
             "same configuration measured at that rate in this run. Derived, not a training run to the target "
             "at each rate: in sync mode the loss per token does not depend on the link, only the tokens/s "
-            "does; in async mode staleness depends on timing, so its figures are estimates.",
+            "does; in async mode staleness depends on timing, so its figures are estimates. Measured "
+            'runs to a target at 100mbit and 20mbit: section "Time to quality (measured)" '
+            "(benchmarks/time_to_target.py).",
             "",
             "| codec, mode | tokens to target | " + " | ".join(f"tokens/s, s @ {r}" for r in rates) + " |",
             "|---|---|" + "---|" * len(rates),

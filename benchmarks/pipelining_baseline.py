@@ -19,7 +19,12 @@ stage F ms forward, B ms backward) and ``benchmarks/gpu_check.py`` with the stag
 (``--device cuda``); both through ``benchmarks/busy.py``, which also counts each rank's busy seconds.
 Each rank runs ``python -m benchmarks.pipelining_baseline --worker ...`` and writes one JSON file:
 per-step wall times and busy seconds, the last rank's losses, its peak resident memory (VmHWM) and,
-on CUDA, its peak GPU memory.
+on CUDA, its peak GPU memory. With ``eval_every`` the ranks also evaluate held-out loss through the
+pipeline between steps (``benchmarks/pipe_heldout.py``) and, with ``target_loss``, stop together at the
+first evaluation at or below it (``benchmarks/time_to_target.py``).
+
+(Over 400 lines: the rank, the driver, the summary and the command line of one baseline, which share
+``PipeConfig``; the held-out evaluation is a module of its own.)
 """
 
 from __future__ import annotations
@@ -73,11 +78,20 @@ class PipeConfig:
     real compute (``benchmarks/busy.py``; the stage peers' ``--emulate-compute-ms``); None = real only."""
     device: str = "cpu"
     """Where the stages compute (``cpu``, ``cuda``, ``mps``); tensors cross the pipeline on the host."""
+    eval_every: int = 0
+    """Held-out loss through the pipeline every N optimizer steps (``benchmarks/pipe_heldout.py``; its time
+    is left out of the steps' clock, see ``train_s``); 0 = never."""
+    eval_batches: int = 4
+    """Held-out micro-batches per evaluation (``TokenData.eval_batches``: the swarm trainer's windows)."""
+    target_loss: float | None = None
+    """Stop after the first evaluation at or below this loss (``steps`` stays the cap); None = run all."""
+    max_train_s: float | None = None
+    """Stop at the first evaluation after this many seconds of training (evaluations excluded)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule {self.schedule!r} is not one of {SCHEDULES}; pick gpipe or 1f1b")
-        for name in ("n_micro", "steps", "threads"):
+        for name in ("n_micro", "steps", "threads", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be at least 1")
         if self.emulate_s is not None:  # JSON (the ranks' copy) turns the pair into a list
@@ -88,6 +102,12 @@ class PipeConfig:
             raise ConfigError(
                 f"warmup_steps = {self.warmup_steps} must lie in [0, steps = {self.steps}) so that at least "
                 "one step is measured"
+            )
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every = {self.eval_every} must be >= 0 (0 = no evaluation)")
+        if (self.target_loss is not None or self.max_train_s is not None) and not self.eval_every:
+            raise ConfigError(
+                "target_loss / max_train_s are checked at evaluations: give eval_every >= 1 as well"
             )
 
 
@@ -121,6 +141,7 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from benchmarks.busy import BusyStage
+    from benchmarks.pipe_heldout import pipeline_heldout
     from swarm.run.model import autocast_dtype, build_stage, lm_loss
     from swarm.train.data import DataConfig, build_data
 
@@ -156,13 +177,15 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
             module.parameters(), lr=ocfg.lr, betas=ocfg.betas, weight_decay=ocfg.weight_decay, eps=1e-8
         )
 
-        stream = None
+        stream = held_out = None
         if rank in (0, world - 1):
             dkw = {} if cfg.data_bytes is None else {"max_bytes": cfg.data_bytes}
             data, _ = build_data(DataConfig(**dkw), seq_len=seq, vocab_size=mcfg.vocab_size)
             stream = data.stream(mb, seed=cfg.seed)
+            held_out = data.eval_batches(mb, cfg.eval_batches) if cfg.eval_every else None
         dist.barrier()  # every rank built its stage (and data): time from here
         t0 = time.perf_counter()
+        eval_s = 0.0  # seconds spent in evaluations, left out of ``train_s``
         steps: list[dict[str, Any]] = []
         for step in range(cfg.steps):
             for group in opt.param_groups:
@@ -193,7 +216,23 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
             }
             if losses:
                 rec["loss"] = float(torch.stack([x.detach().float() for x in losses]).mean())
+            rec["train_s"] = te - t0 - eval_s
             steps.append(rec)
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                give_up = cfg.max_train_s is not None and rec["train_s"] >= cfg.max_train_s
+                rec["eval_loss"], stop = pipeline_heldout(
+                    module,
+                    rank,
+                    world,
+                    held_out,
+                    n_batches=cfg.eval_batches,
+                    target=cfg.target_loss,
+                    give_up=give_up,
+                )
+                rec["eval_s"] = time.perf_counter() - te
+                eval_s += rec["eval_s"]
+                if stop:
+                    break
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -299,15 +338,19 @@ def summarize(
     """Per-run figures from the ranks' JSON results (pure; see :func:`run_pipelining`)."""
     tokens_per_step = cfg.n_micro * spec.micro_batch_size * spec.model.seq_len
     # A step ends on each rank at slightly different times; the slowest rank's step is the pipeline's.
-    step_times = [max(r["steps"][i]["time_s"] for r in ranks) for i in range(cfg.steps)]
-    measured = step_times[cfg.warmup_steps :]
+    # With a target loss the ranks stop together after fewer than ``cfg.steps`` steps.
+    n_steps = min(len(r["steps"]) for r in ranks)
+    step_times = [max(r["steps"][i]["time_s"] for r in ranks) for i in range(n_steps)]
+    measured = step_times[cfg.warmup_steps :] or step_times
     step_s = statistics.median(measured)
     last = ranks[-1]["steps"]
     losses = [
         {"tokens": (i + 1) * tokens_per_step, "wall_s": s["wall_s"], "loss": s.get("loss")}
+        | ({"train_s": s["train_s"]} if "train_s" in s else {})
+        | ({"eval_loss": s["eval_loss"], "eval_s": s["eval_s"]} if "eval_loss" in s else {})
         for i, s in enumerate(last)
     ]
-    total_tokens = cfg.steps * tokens_per_step
+    total_tokens = n_steps * tokens_per_step
     wire = None
     if all(v is not None for v in tx0.values()):
         wire = sum(tx1[n] - tx0[n] for n in tx0) / total_tokens
@@ -322,7 +365,7 @@ def summarize(
         ],
         "schedule": cfg.schedule,
         "n_micro": cfg.n_micro,
-        "steps": cfg.steps,
+        "steps": n_steps,
         "warmup_steps": cfg.warmup_steps,
         "threads_per_rank": cfg.threads,
         "tokens_per_step": tokens_per_step,

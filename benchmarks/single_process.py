@@ -75,6 +75,8 @@ class SingleConfig:
     value to read the same training windows."""
     eval_tokens: int = 0
     """Held-out tokens evaluated after training (rounded up to whole micro-batches); 0 = no evaluation."""
+    eval_every: int = 0
+    """Also evaluate them every N optimizer steps (a held-out curve; the time is left out of ``wall_s``)."""
     metrics_path: str | None = None
     """Append one JSON line per optimizer step here while training (``{"type": "step", "time", "tokens",
     "loss"}``, the fields of a trainer's metrics.jsonl), for progress; None = none."""
@@ -89,6 +91,10 @@ class SingleConfig:
             raise ConfigError(f"optimizer = {self.optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
         if self.eval_tokens < 0:
             raise ConfigError(f"eval_tokens = {self.eval_tokens} must be >= 0 (0 = no evaluation)")
+        if self.eval_every < 0 or (self.eval_every and not self.eval_tokens):
+            raise ConfigError(
+                f"eval_every = {self.eval_every} must be >= 0, and evaluating needs eval_tokens > 0"
+            )
 
 
 def data_config(cfg: SingleConfig):
@@ -129,6 +135,16 @@ def train_single(cfg: SingleConfig) -> dict[str, Any]:
     metrics = open(cfg.metrics_path, "a") if cfg.metrics_path else None  # noqa: SIM115 (closed in finally)
     steps = []
     t0 = time.perf_counter()
+    eval_s = 0.0  # left out of wall_s
+
+    def evaluate() -> float:
+        if stage_opts is not None:
+            stage_opts.load_into_model()
+        model.eval()
+        loss, _ = held_out_loss(model, data, batch=spec.micro_batch_size, tokens=cfg.eval_tokens)
+        model.train()
+        return loss
+
     try:
         for step in range(cfg.steps):
             ts = time.perf_counter()
@@ -159,10 +175,13 @@ def train_single(cfg: SingleConfig) -> dict[str, Any]:
             rec = {
                 "step": step,
                 "time_s": te - ts,
-                "wall_s": te - t0,
+                "wall_s": te - t0 - eval_s,
                 "loss": total / cfg.accumulate,
                 "tokens": (step + 1) * tokens_per_step,
             }
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                rec["eval_loss"] = evaluate()
+                eval_s += time.perf_counter() - te
             steps.append(rec)
             if metrics is not None:
                 line = {"type": "step", "step": step + 1, "time": rec["wall_s"], "tokens": rec["tokens"]}
@@ -179,11 +198,9 @@ def train_single(cfg: SingleConfig) -> dict[str, Any]:
         "optimizer_name": ocfg.name,
     }
     if cfg.eval_tokens:
-        if stage_opts is not None:
-            stage_opts.load_into_model()
-        model.eval()
-        loss, n = held_out_loss(model, data, batch=spec.micro_batch_size, tokens=cfg.eval_tokens)
-        result.update(eval_loss=loss, held_out_tokens=n)
+        n = max(1, -(-cfg.eval_tokens // (spec.micro_batch_size * spec.model.seq_len)))
+        result.update(eval_loss=evaluate(), held_out_tokens=n * spec.micro_batch_size * spec.model.seq_len)
+        steps[-1]["eval_loss"] = result["eval_loss"]
     return result
 
 
@@ -224,7 +241,11 @@ def run_single(cfg: SingleConfig, work_dir: str | os.PathLike[str]) -> dict[str,
         "step_s": step_s,
         "step_times_s": times,
         "tokens_per_s": res["tokens_per_step"] / step_s,
-        "losses": [{"tokens": s["tokens"], "wall_s": s["wall_s"], "loss": s["loss"]} for s in res["steps"]],
+        "losses": [
+            {"tokens": s["tokens"], "wall_s": s["wall_s"], "loss": s["loss"]}
+            | ({"eval_loss": s["eval_loss"]} if "eval_loss" in s else {})
+            for s in res["steps"]
+        ],
         "peak_rss_mb": res["peak_rss_bytes"] / 2**20 if res["peak_rss_bytes"] else None,
         "wall_s": time.perf_counter() - t,
         "optimizer": cfg.optimizer,

@@ -77,7 +77,7 @@ def test_each_flag_sets_its_config_field():
     args = parse(
         "train", "--initial-peers", "x", "--run", "r", "--tokens", "5000", "--max-inflight", "3",
         "--fixed-inflight", "--max-attempts", "2", "--eval-every", "10", "--seed", "4", "--out", "o",
-        "--trainer-id", "t1", "--host-maddrs", "/ip4/1.2.3.4/tcp/5", "--quiet", "--log", "wandb",
+        "--eval-batches", "3", "--trainer-id", "t1", "--host-maddrs", "/ip4/1.2.3.4/tcp/5", "--quiet", "--log", "wandb",
         "--max-data-bytes", "4096",
     )  # fmt: skip
     cfg = train.config_from_args(args)
@@ -89,6 +89,7 @@ def test_each_flag_sets_its_config_field():
         10,
     )
     assert (cfg.seed, cfg.out_dir, cfg.trainer_id, cfg.quiet, cfg.log) == (4, "o", "t1", True, ("wandb",))
+    assert cfg.eval_batches == 3
     assert cfg.host_maddrs == ("/ip4/1.2.3.4/tcp/5",) and cfg.data.max_bytes == 4096
     with pytest.raises(SystemExit):  # --steps and --tokens stay exclusive
         parse("train", "--initial-peers", "x", "--run", "r", "--steps", "1", "--tokens", "1")

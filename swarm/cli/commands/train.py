@@ -36,6 +36,7 @@ FLAGS = (
     ),
     Flag("max_attempts", "--max-attempts", metavar="N"),
     Flag("eval_every", "--eval-every", metavar="N"),
+    Flag("eval_batches", "--eval-batches", metavar="N"),
     Flag(
         "seed",
         "--seed",
