@@ -338,9 +338,28 @@ def marginal(short: dict[str, Any], long: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"the long run trained {long['tokens']} tokens, not more than the short {short['tokens']}"
         )
-    keys = sorted(set(short["cpu_s"]) | set(long["cpu_s"]))
-    per = {k: 1000.0 * (long["cpu_s"].get(k, 0.0) - short["cpu_s"].get(k, 0.0)) / dt for k in keys}
+    a, b = _same_rows(short["cpu_s"], long["cpu_s"]), _same_rows(long["cpu_s"], short["cpu_s"])
+    keys = sorted(set(a) | set(b))
+    per = {k: 1000.0 * (b.get(k, 0.0) - a.get(k, 0.0)) / dt for k in keys}
     return {"tokens": dt, "cpu_s_per_ktok": per, "total": sum(per.values())}
+
+
+def _same_rows(cpu_s: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    """``cpu_s`` with the threads of a process summed into ``<process>: all threads`` where the two runs
+    did not name that process's threads alike (py-spy named them in one run only, e.g. a process that
+    ended before it was dumped), so that a difference is never taken between differently named rows."""
+
+    def kinds(d: dict[str, float], proc: str) -> set[str]:
+        return {k for k in d if k.partition(": ")[0] == proc and ": " in k}
+
+    out: dict[str, float] = defaultdict(float)
+    for k, v in cpu_s.items():
+        proc = k.partition(": ")[0]
+        theirs = kinds(other, proc)
+        if ": " in k and theirs and kinds(cpu_s, proc) != theirs:
+            k = f"{proc}: all threads"
+        out[k] += v
+    return dict(out)
 
 
 def run_all(cfg: OverheadConfig) -> dict[str, Any]:

@@ -43,6 +43,16 @@ def test_marginal_cpu_is_the_difference_over_the_difference_in_tokens():
         marginal(long, short)
 
 
+def test_a_process_whose_threads_one_run_did_not_name_is_compared_as_a_whole():
+    short = {"tokens": 1000, "cpu_s": {"rank 0: threads": 3.0, "rank 1: event loop": 2.0}}
+    long = {
+        "tokens": 2000,
+        "cpu_s": {"rank 0: event loop": 4.0, "rank 0: threads": 0.5, "rank 1: event loop": 3.0},
+    }
+    m = marginal(short, long)
+    assert m["cpu_s_per_ktok"] == pytest.approx({"rank 0: all threads": 1.5, "rank 1: event loop": 1.0})
+
+
 def test_rows_of_peers_and_ranks_are_summed_by_kind():
     per = {
         "peer 0: compute": 1.0,
