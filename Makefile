@@ -61,11 +61,11 @@ bench-links-quick: setup
 bench-control-plane: setup
 	$(BIN)/python -m benchmarks.control_plane --variant after
 
-# Measured time to a target held-out loss, 1F1B vs the swarm, at 100 and 20 Mbit/s (root, like bench-links).
 # Where the cycles go: CPU per 1,000 tokens by process and thread, swarm vs 1F1B (loopback; py-spy optional).
 bench-overhead: setup
 	$(BIN)/python -m benchmarks.overhead --spy
 
+# Measured time to a target held-out loss, 1F1B vs the swarm, at 100 and 20 Mbit/s (root, like bench-links).
 bench-time-to-target: setup
 	$(BIN)/python -m benchmarks.time_to_target
 
