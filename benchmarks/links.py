@@ -332,6 +332,16 @@ def base_spec_dict(cfg: LinksConfig) -> dict[str, Any]:
     return data
 
 
+def pipelining_spec(cfg: LinksConfig) -> Any:
+    """The base spec the pipelining ranks and the single process train (a ``RunSpec``): the benchmark
+    spec with its overrides, uncompressed (they send fp32 tensors), run id ``links-base``."""
+    from swarm.run.spec import RunSpec
+
+    base = base_spec_dict(cfg)
+    base.update(run_id="links-base", codecs={"activations": "none", "gradients": "none"})
+    return RunSpec.from_dict(base)
+
+
 def write_spec(
     cfg: LinksConfig, work: Path, run_id: str, codec: str, mode: str, subspace: int | None = None
 ) -> Path:
@@ -1218,12 +1228,9 @@ def run_all(
     results_dir: Path = RESULTS_DIR,
 ) -> dict[str, Any]:
     """Run ``jobs`` in one lab; write ``results/NAME.json`` after every job (partial results survive)."""
-    from swarm.run.spec import RunSpec
 
     results_dir.mkdir(parents=True, exist_ok=True)
-    base = base_spec_dict(cfg)
-    base.update(run_id="links-base", codecs={"activations": "none", "gradients": "none"})
-    spec = RunSpec.from_dict(base)
+    spec = pipelining_spec(cfg)
     s = spec.num_stages
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // s)
     stage_nodes = [f"s{i}" for i in range(s)]

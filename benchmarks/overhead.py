@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.links import Job, LinksConfig, _run_job, base_spec_dict, quick_config
+from benchmarks.links import Job, LinksConfig, _run_job, pipelining_spec, quick_config
 from benchmarks.markdown import write_section
 from benchmarks.netlab import LoopbackLab
 from benchmarks.pipelining_baseline import ROOT
@@ -288,8 +288,6 @@ def _run(
 ) -> dict[str, Any]:
     nodes = {"boot": "boot", "trainer": "trainer", "stages": [f"s{i}" for i in range(8)]}
     sampler = ThreadSampler(spy_dir=spy_dir).start()
-    snapshots = ROOT / "snapshots"  # where the run's `swarm init` keeps its keeper's snapshots (cwd = ROOT)
-    before = set(snapshots.iterdir()) if snapshots.is_dir() else set()
     try:
         with LoopbackLab(["boot", "trainer", *nodes["stages"]]) as lab:
             base = _base_spec(lcfg, work)
@@ -297,12 +295,8 @@ def _run(
             result = _run_job(lab, lcfg, job, work, nodes, base, threads)
     finally:
         sampler.stop()
-        # The pair's runs share a run id (links.run_swarm derives it from the pid): the second run's keeper
-        # would find the first one's snapshots, and its peers rightly refuse to start from the seed.
-        for path in (set(snapshots.iterdir()) if snapshots.is_dir() else set()) - before:
-            shutil.rmtree(path, ignore_errors=True)
     sampler.sample()
-    tokens = _tokens(result, job)
+    tokens = _tokens(result)
     return {
         "job": job.name,
         "micro_batches": job.micro_batches,
@@ -313,18 +307,15 @@ def _run(
 
 
 def _base_spec(lcfg: LinksConfig, work: Path) -> Path:
-    """The pipelining ranks' spec: the links benchmark's base spec, as its run_all writes it."""
-    from swarm.run.spec import RunSpec
-
-    base = base_spec_dict(lcfg)
-    base.update(run_id="overhead-base", codecs={"activations": "none", "gradients": "none"})
+    """The pipelining ranks' spec file (links.pipelining_spec). Each run of a pair has its own ``work``,
+    so its keeper's snapshots (links.run_swarm keeps them there) never meet the other run's."""
     work.mkdir(parents=True, exist_ok=True)
     path = work / "base.json"
-    path.write_bytes(RunSpec.from_dict(base).canonical_bytes())
+    path.write_bytes(pipelining_spec(lcfg).canonical_bytes())
     return path
 
 
-def _tokens(result: dict[str, Any], job: Job) -> int:
+def _tokens(result: dict[str, Any]) -> int:
     if result.get("tokens"):
         return int(result["tokens"])
     losses = result.get("losses") or []
