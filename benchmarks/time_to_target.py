@@ -138,6 +138,9 @@ class TargetConfig:
     max_train_s: float = 420.0
     """Cap of a run: seconds of its clock (see the module docstring)."""
     max_inflight: int = 8
+    keeper: bool = True
+    """Run each swarm's ``swarm init`` with its keeper (the default of a real run: stage snapshots are
+    downloaded from the peers over their links while they train); False = ``--no-keeper``."""
     threads: int | None = None
     """torch threads per stage process; None = cores / stages, at least 1 (as benchmarks/links.py)."""
     loopback: bool = False
@@ -271,6 +274,7 @@ def _run_job(
         work,
         nodes,
         boot_maddr=nodes.get("boot_maddr"),
+        keeper=cfg.keeper,
         eval_every=cfg.eval_every,
         eval_batches=cfg.eval_batches,
         stop_when=swarm_stop(goal, cfg.max_train_s),
@@ -412,6 +416,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--swarms", nargs="+", default=None, help="e.g. blockwise8:async ss32+blockwise8:async"
     )
     parser.add_argument("--target-mb", type=int, default=None, help="N in micro-batches")
+    parser.add_argument(
+        "--no-keeper",
+        action="store_true",
+        help="run the swarms' `swarm init` without its keeper (no stage snapshots over the peers' links)",
+    )
     parser.add_argument("--max-train-s", type=float, default=None, help="time cap of each run")
     parser.add_argument("--name", default=None, help="results name (default time_to_target[_quick])")
     parser.add_argument("--plan", action="store_true", help="print the runs and exit")
@@ -442,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kw["target_mb"] = args.target_mb
     if args.max_train_s:
         kw["max_train_s"] = args.max_train_s
+    if args.no_keeper:
+        kw["keeper"] = False
     cfg = quick_config(**kw) if args.quick else TargetConfig(**kw)
     jobs = plan(cfg)
     if args.plan:

@@ -285,3 +285,80 @@ def test_dht_schema_accepts_snapshot_indexes_and_events(owner):
     assert ok(R.events_key("tiny"), R.labelled_subkey(ev.event_id, marker), ev.to_wire())
     assert not ok(R.snapshots_key("tiny"), marker, idx.to_wire() | {"versions": [1.0, 2.0]})
     assert not ok(R.events_key("tiny"), b"no marker", ev.to_wire())
+
+
+# ---------------------------------------------------------------------------------- keeper pacing
+
+
+def test_download_gap_keeps_the_interval_on_fast_links_and_stretches_it_on_slow_ones():
+    from swarm.tools.keeper import download_gap_s
+
+    cfg = KeeperConfig(directory="d", interval_s=180.0, link_share=0.05)
+    assert download_gap_s(1.5, cfg) == 180.0  # loopback: the interval decides
+    assert download_gap_s(31.0, cfg) == pytest.approx(620.0)  # 77 MB at 20 Mbit/s: 5% of the link
+    with pytest.raises(ConfigError, match=r"link_share = 0\.0 is invalid"):
+        KeeperConfig(directory="d", link_share=0.0)
+    with pytest.raises(ConfigError, match=r"link_share = 1\.5 is invalid"):
+        KeeperConfig(directory="d", link_share=1.5)
+
+
+class _Rec:
+    def __init__(self, version: int):
+        self.version, self.state = version, "online"
+
+
+class _Stages:
+    """What Keeper.tick reads: every stage's records (one online peer at ``version``)."""
+
+    run_id = "tiny"
+
+    def __init__(self, spec):
+        self.spec, self.version, self.indexes = spec, 1, []
+        self.peer_id = make_owner()[2]
+
+    def all_stage_records(self, n):
+        return [{"p": _Rec(self.version)} for _ in range(n)]
+
+    def publish_snapshot_index(self, idx):
+        self.indexes.append(idx)
+
+
+class _SlowDonor:
+    """A stage's averager whose state download takes ``seconds`` of the keeper's clock."""
+
+    def __init__(self, clock, stage, spec, numel, members, seconds):
+        self.clock, self.stage, self.spec, self.numel = clock, stage, spec, numel
+        self.members, self.seconds, self.loads = members, seconds, 0
+
+    def load_state(self, timeout_s):
+        self.loads += 1
+        self.clock[0] += self.seconds
+        meta = {"spec_hash": self.spec.spec_hash, "stage": self.stage, "version": self.members.version}
+        return meta, [torch.zeros(self.numel)]
+
+    def share_state(self, allow, priority=0.0):
+        pass
+
+
+def test_a_keeper_on_a_slow_link_downloads_a_stage_at_most_link_share_of_the_time(tmp_path):
+    from swarm.tools.keeper import Keeper, stage_state_numel
+    from tests.helpers import tiny_spec
+
+    spec = tiny_spec("tiny", stages=2)
+    members = _Stages(spec)
+    clock = [1000.0]
+    cfg = KeeperConfig(directory=str(tmp_path), interval_s=60.0, link_share=0.1)
+    keeper = Keeper(None, members, spec, cfg, clock=lambda: clock[0])  # type: ignore[arg-type]
+    donors = [_SlowDonor(clock, s, spec, stage_state_numel(spec, s), members, 20.0) for s in range(2)]
+    keeper._averagers = donors  # type: ignore[assignment]
+    keeper.tick()  # both stages stepped once: both downloaded (20 s each)
+    assert [d.loads for d in donors] == [1, 1] and [s.version for s in keeper.held] == [1, 1]
+    assert members.indexes[-1].interval_s == pytest.approx(200.0)  # 20 s / 0.1, not 60
+    for _ in range(9):  # 90 s of ticks with newer versions announced: past interval_s, not past 200 s
+        members.version += 1
+        clock[0] += 10.0
+        keeper.tick()
+    assert [d.loads for d in donors] == [1, 1]
+    clock[0] += 200.0
+    keeper.tick()
+    assert [d.loads for d in donors] == [2, 2] and keeper.held[0].version == members.version

@@ -6,7 +6,9 @@ loop of downloads, writes and announcements share one lifecycle.)
 A keeper is a long-lived node (the run owner's ``swarm init`` runs one; ``swarm keeper`` lets anyone
 run another) that, for each stage of a run:
 
-1. downloads the stage's state from its live replicas at most every ``interval_s`` seconds, and
+1. downloads the stage's state from its live replicas at most every ``interval_s`` seconds (longer
+   on a slow link, so that its downloads take at most ``link_share`` of a peer's time: note "link
+   share" at :func:`download_gap_s`), and
    only when a replica announces a newer version than the keeper holds (and above 0: version 0 is
    the initial weights, so the first snapshot is taken as soon as a stage has stepped once). The download is hivemind's
    own state download, the one joining peers use (``peer.averaging.StageAverager.load_state``:
@@ -64,12 +66,14 @@ __all__ = [
     "stage_state_numel",
     "initial_snapshot",
     "DEFAULT_INTERVAL_S",
+    "DEFAULT_LINK_SHARE",
     "DEFAULT_KEEP",
 ]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 180.0
+DEFAULT_LINK_SHARE = 0.05
 DEFAULT_KEEP = 3
 
 
@@ -83,7 +87,16 @@ class KeeperConfig:
         DEFAULT_INTERVAL_S, gt=0.0, hint="Give a positive number of seconds, e.g. 180."
     )
     """Download a stage's state at most this often (only when its peers announce a newer version).
-    A stage that loses every replica rolls back at most this far (plus one download)."""
+    A stage that loses every replica rolls back at most this far (plus one download), or as far as
+    ``link_share`` stretches the interval on a slow link."""
+    link_share: float = number(
+        DEFAULT_LINK_SHARE,
+        gt=0.0,
+        le=1.0,
+        hint="Give a fraction in (0, 1], e.g. 0.05: the share of a peer's time its uploads to the keeper may take.",
+    )
+    """The most of a stage's time the keeper's downloads of its state may take (note "link share"):
+    after a download of ``d`` seconds the next one of that stage waits at least ``d / link_share``."""
     keep: int = integer(DEFAULT_KEEP, lo=1, hint="Keep at least 1 snapshot per stage, e.g. 3.")
     """Snapshots kept on disk per stage (the oldest are deleted)."""
     state_timeout_s: float = number(60.0, gt=0.0, hint="Give a positive number of seconds.")
@@ -103,6 +116,17 @@ class KeeperConfig:
         if not isinstance(self.directory, str) or not self.directory:
             raise ConfigError(f"keeper directory={self.directory!r} must be a non-empty path")
         check_fields(self, "keeper")
+
+
+def download_gap_s(download_s: float, cfg: KeeperConfig) -> float:
+    """Note "link share": seconds from the start of one download of a stage's state to the next.
+
+    A snapshot is a stage's whole state (parameters and optimizer slots: ~3x the parameters for AdamW),
+    uploaded by one of its peers over the link it trains on. On a fast link that takes a second and
+    ``interval_s`` decides; on a slow one (77 MB per stage of examples/bench.yaml takes ~31 s at 20
+    Mbit/s) a download every 180 s would hold 17% of the peer's upload, so the gap grows until the
+    downloads take at most ``link_share`` of the time. The rollback bound grows with it."""
+    return max(cfg.interval_s, download_s / cfg.link_share)
 
 
 def stage_state_numel(spec: RunSpec, stage: int) -> int:
@@ -175,6 +199,7 @@ class Keeper:
         self._numel: list[int] = []
         self._averagers: list[StageAverager] = []
         self._last_download = [-math.inf] * n
+        self._gap_s = [cfg.interval_s] * n  # note "link share": the interval, stretched by slow downloads
         self._last_index = -math.inf
         self._lock = threading.Lock()  # guards ``held`` (read by hivemind's fetcher threads)
         self._reader: Any = None
@@ -326,10 +351,12 @@ class Keeper:
             # nothing newer to take; version 0 is the spec's initial weights, which every peer can rebuild
             if not live or max(live) <= (held.version if held else 0):
                 continue
-            if now - self._last_download[stage] < self.cfg.interval_s:
+            start = self._clock()  # the stages before this one may have taken a while
+            if start - self._last_download[stage] < self._gap_s[stage]:
                 continue
-            self._last_download[stage] = now
+            self._last_download[stage] = start
             line = self._take(stage)
+            self._gap_s[stage] = download_gap_s(self._clock() - start, self.cfg)
             if line:
                 lines.append(line)
         if lines or self.seen != seen_before or now - self._last_index >= self.cfg.index_period_s:
@@ -395,7 +422,7 @@ class Keeper:
             versions=tuple(s.version if s else -1 for s in held),
             taken_at=tuple(s.taken_at if s else 0.0 for s in held),
             seen=tuple(max(v, s.version if s else -1) for v, s in zip(self.seen, held, strict=True)),
-            interval_s=float(self.cfg.interval_s),
+            interval_s=float(max(self._gap_s)),  # stretched by slow downloads (note "link share")
         )
 
     def publish_index(self) -> None:

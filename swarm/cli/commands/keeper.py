@@ -38,6 +38,7 @@ KEEPER_FLAGS = (
         metavar="S",
     ),
     Flag("keep", "--keep-snapshots", aliases=("--keep",), dest="keep_snapshots", metavar="N"),
+    Flag("link_share", "--keeper-link-share", dest="keeper_link_share", metavar="F"),
 )
 
 

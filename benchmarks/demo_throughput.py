@@ -1,0 +1,158 @@
+"""Demo throughput, A/B: ``swarm demo`` (2 stages x 2 peers, async, blockwise8) of an older commit
+against this checkout, run back to back in alternating order so that the machine's load hits both
+sides alike.
+
+    python -m benchmarks.demo_throughput                      # 3 pairs: base 7d961c3, then this code
+    python -m benchmarks.demo_throughput --pairs 2 --variants paced fixed4
+    python -m benchmarks.demo_throughput --render             # the table from the JSON
+
+The base commit is checked out in a detached git worktree (``--base-dir``, made if missing) and run
+with ``PYTHONPATH`` pointing at it, so both sides use this venv's packages. Issue 13's target: the
+demo's tokens/s no lower than the code before issue 13 (7d961c3) minus 10%.
+
+Results: ``benchmarks/results/demo_throughput.json`` (every run, with its load average) and the
+table on stdout (BENCHMARKS.md "Demo throughput").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "demo_throughput.json"
+
+# variant -> (which code, extra demo flags)
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "base": ("base", []),
+    "paced": ("this", ["--no-reference"]),
+    "fixed4": ("this", ["--no-reference", "--max-inflight", "4"]),
+}
+
+
+def _checkout(base: str, base_dir: Path) -> Path:
+    if not (base_dir / "swarm").is_dir():
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(base_dir), base], check=True
+        )
+    head = subprocess.run(["git", "-C", str(base_dir), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if not head.stdout.strip().startswith(base[:7]):
+        raise SystemExit(
+            f"--base-dir {base_dir} holds {head.stdout.strip()[:10]}, not {base}: remove it or pick another"
+        )
+    return base_dir
+
+
+def _run_demo(code_dir: Path, flags: list[str], timeout_s: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="demo-ab-") as tmp:
+        out = Path(tmp) / "out"
+        env = dict(os.environ, PYTHONPATH=str(code_dir))
+        load = os.getloadavg()
+        t0 = time.time()
+        proc = subprocess.run(
+            [sys.executable, "-m", "swarm.cli", "demo", "--out", str(out), "--quiet", *flags],
+            cwd=code_dir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"demo in {code_dir} exited {proc.returncode}: {proc.stderr[-2000:]}")
+        s = json.loads((out / "summary.json").read_text())
+    return {
+        "tokens_per_s": s.get("tokens_per_s"),
+        "eval_loss_last": s.get("eval_loss_last"),
+        "applied_staleness": s.get("applied_staleness"),
+        "inflight": s.get("inflight"),
+        "steps": s.get("steps"),
+        "tokens": s.get("tokens"),
+        "wall_s": round(time.time() - t0, 1),
+        "load_at_start": [round(x, 2) for x in load],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    base_dir = _checkout(args.base, Path(args.base_dir))
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    result: dict[str, Any] = {
+        "name": "demo_throughput",
+        "base": args.base,
+        "this": head.stdout.strip(),
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python -m benchmarks.demo_throughput " + " ".join(sys.argv[1:]),
+        "runs": [],
+    }
+    for pair in range(args.pairs):
+        for variant in args.variants:
+            code, flags = VARIANTS[variant]
+            code_dir = base_dir if code == "base" else REPO
+            print(f"pair {pair + 1}/{args.pairs}: {variant} ...", flush=True)
+            r = _run_demo(code_dir, flags, args.timeout_s)
+            r.update(variant=variant, pair=pair)
+            result["runs"].append(r)
+            print(
+                f"  {r['tokens_per_s']} tokens/s, held-out {r['eval_loss_last']}, load {r['load_at_start']}",
+                flush=True,
+            )
+            RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def render(result: dict[str, Any]) -> str:
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in result["runs"]:
+        by.setdefault(r["variant"], []).append(r)
+    base = statistics.mean(r["tokens_per_s"] for r in by.get("base", [])) if by.get("base") else None
+    lines = [
+        "| code | runs | tokens/s (each run) | mean | vs base | held-out loss | applied staleness (stage 0 / 1) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for variant, runs in by.items():
+        tps = [r["tokens_per_s"] for r in runs]
+        mean = statistics.mean(tps)
+        losses = [r["eval_loss_last"] for r in runs if r["eval_loss_last"] is not None]
+        stale = [r["applied_staleness"] for r in runs if r.get("applied_staleness")]
+        stale_s = ", ".join(f"{s.get('0', 0):.2f} / {s.get('1', 0):.2f}" for s in stale) or "-"
+        label = f"base ({result['base']})" if variant == "base" else f"{variant} ({result['this']})"
+        lines.append(
+            f"| {label} | {len(runs)} | {', '.join(f'{t:.0f}' for t in tps)} | {mean:.0f} | "
+            f"{mean / base:.2f} | {min(losses):.2f}-{max(losses):.2f} | {stale_s} |"
+            if base and losses
+            else f"| {label} | {len(runs)} | {', '.join(f'{t:.0f}' for t in tps)} | {mean:.0f} | - | - | {stale_s} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.demo_throughput", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--base", default="7d961c3", help="the older commit (default: the code before issue 13)")
+    p.add_argument(
+        "--base-dir", default="/tmp/demo-throughput-base", help="where the base commit is checked out"
+    )
+    p.add_argument("--pairs", type=int, default=3, help="rounds of the variants, run in order each round")
+    p.add_argument("--variants", nargs="+", default=["base", "paced"], choices=sorted(VARIANTS))
+    p.add_argument("--timeout-s", type=float, default=900.0, help="per demo run")
+    p.add_argument("--render", action="store_true", help="print the table of the last results and exit")
+    args = p.parse_args(argv)
+    if args.pairs < 1:
+        p.error(f"--pairs = {args.pairs} is invalid: at least 1 round is needed")
+    result = json.loads(RESULTS.read_text()) if args.render else run(args)
+    print(render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
