@@ -11,8 +11,9 @@ version) and ``staleness_<s>`` (versions elapsed until backward). The forward ke
 FORWARDs and reach the trainer in the last stage's ``loss`` report; the BACKWARDs and stage 0's ``done``
 report carry only the backward keys (the trainer merges both reports' stats), not the forward keys again.
 When the forward header asks for ``one_report`` (note "one report" in swarm/wire/protocol.py), the last
-stage sends no ``loss`` report: its loss and the forward keys ride the BACKWARDs down, and stage 0's
-``done`` carries everything.
+stage sends no ``loss`` report and the FORWARDs carry no stats: each stage keeps its forward keys until
+its backward and adds them to the BACKWARD it sends (the last stage with its loss), so every key crosses
+each link at most once, and stage 0's ``done`` carries everything.
 
 ``WorkerTasks`` is one of ``StagePeer``'s parts (peer/server.py).
 """
@@ -97,6 +98,11 @@ class WorkerTasks:
             nxt = h.route[s + 1]
             payload = self._codecs[0].encode(res.output, stream=(nxt, s, "act"))
             stats[f"fwd_bytes_{s}"] = float(len(payload))
+            if h.mode == "train" and h.one_report:  # note "one report": they go down with the backward
+                self._fwd_stats[h.mb_id] = stats
+                while len(self._fwd_stats) > 4096:
+                    self._fwd_stats.popitem(last=False)
+                stats = {}
             header = dataclasses.replace(h, stage=s + 1, stats=stats, sent_at=time.time())
             # if the hop fails the route broke downstream: its backward never comes, so free the stash entry
             self._outbox.send(
@@ -177,6 +183,7 @@ class WorkerTasks:
         res = compute.backward(h.mb_id, grad)
         self.counters["backwards"] += 1
         stats = dict(h.stats)
+        stats.update(self._fwd_stats.pop(h.mb_id, {}))  # note "one report": this stage's forward stats
         stats[f"bwd_compute_s_{s}"] = res.compute_s
         stats[f"bwd_queue_s_{s}"] = waited
         stats[f"staleness_{s}"] = float(res.staleness)

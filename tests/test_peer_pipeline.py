@@ -58,8 +58,8 @@ def test_three_stage_route_equals_whole_model(tmp_path, subspace):
                 assert lossy.n_tokens == tokens.numel()
                 assert done.stage == 0 and "bwd_compute_s_1" in done.stats
                 if one:  # no loss report; the forward stats came down with the backward
-                    assert (
-                        "loss" not in got and "fwd_bytes_0" in done.stats and "fwd_compute_s_2" in done.stats
+                    assert "loss" not in got and {"fwd_bytes_0", "fwd_queue_s_1", "fwd_compute_s_2"} <= set(
+                        done.stats
                     )
                 else:  # the forward stats reach the trainer once, in the loss report; done has the backward's
                     assert "fwd_bytes_0" in got["loss"][0].stats and "fwd_bytes_0" not in done.stats

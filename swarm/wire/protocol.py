@@ -59,8 +59,8 @@ the protocol name, noise frames, the reply, both closes): ~1.3 KB and 13 packets
 header and payload (``python -m benchmarks.stream_cost``), as much as 2.6 bytes per token of a 512-token
 micro-batch, against ~16 bytes per token of payload per hop of a subspace d/32 run. So a trainer's
 ``FORWARD`` asks for ``one_report``: the last stage then sends no ``loss`` report, its loss (``loss``,
-``n_tokens``) and the forward's per-hop stats ride the ``BACKWARD`` headers down, and stage 0's ``done``
-carries them. Both fields are absent on the wire unless used. Mixed versions keep working: a peer older
+``n_tokens``) rides the ``BACKWARD`` headers down, each stage adds its forward's per-hop stats to the
+``BACKWARD`` it sends (the ``FORWARD`` headers carry none), and stage 0's ``done`` carries them all. Both fields are absent on the wire unless used. Mixed versions keep working: a peer older
 than the flag re-serialises the forward header without it, so the last stage of such a route sends
 ``loss`` and ``done`` as before (the trainer takes either), and a route whose last stage saw the flag has
 only peers that pass the loss down.
