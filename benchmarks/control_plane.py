@@ -4,7 +4,7 @@ Run (from the repository root, as root for the network lab)::
 
     python -m benchmarks.control_plane --variant after            # 24 and 128 micro-batches, both models
     python -m benchmarks.control_plane --variant before --rates none 20mbit --micro-batches 24 --out old.json
-    python -m benchmarks.control_plane --merge old.json           # fold another checkout's runs in
+    python -m benchmarks.control_plane --merge old.json --variant before --table "..."  # fold them in
     python -m benchmarks.control_plane --render                   # the "Control plane" section of BENCHMARKS.md
 
 What runs: the links benchmark's swarm (``benchmarks/links.py``, ``run_swarm``: a bootstrap node, one
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[],
         metavar="JSON",
-        help="only fold the variants of these results files (e.g. --out of an older checkout) into --out",
+        help="only fold the runs of these results files (e.g. --out of an older checkout) into --variant of --out",
     )
     parser.add_argument("--idle-s", type=float, default=20.0, help="peers kept up after training, measured")
     parser.add_argument(
@@ -331,10 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         write_section(markdown_section(report, streams))
         print(f"rewrote the {SECTION!r} section from {path}")
         return 0
-    if args.merge:
+    if args.merge:  # into --variant (and --table): another checkout's runs, whatever it named them
         for other in args.merge:
-            for name, v in json.loads(Path(other).read_text())["variants"].items():
-                _fold(report, name, v)
+            for v in json.loads(Path(other).read_text())["variants"].values():
+                _fold(report, args.variant, v | ({"table": args.table} if args.table else {}))
         path.write_text(json.dumps(report, indent=1, default=str) + "\n")
         print(f"folded {len(args.merge)} file(s) into {path}")
         return 0
