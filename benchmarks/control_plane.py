@@ -2,8 +2,9 @@
 
 Run (from the repository root, as root for the network lab)::
 
-    python -m benchmarks.control_plane --variant after            # both runs, into results/control_plane.json
-    python -m benchmarks.control_plane --variant before --rates none 20mbit
+    python -m benchmarks.control_plane --variant after            # 24 and 128 micro-batches, both models
+    python -m benchmarks.control_plane --variant before --rates none 20mbit --micro-batches 24 --out old.json
+    python -m benchmarks.control_plane --merge old.json --variant before --table "..."  # fold them in
     python -m benchmarks.control_plane --render                   # the "Control plane" section of BENCHMARKS.md
 
 What runs: the links benchmark's swarm (``benchmarks/links.py``, ``run_swarm``: a bootstrap node, one
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.control_plane_report import SECTION, TARGETS, markdown_section
 from benchmarks.links import (
     RESULTS_DIR,
     Job,
@@ -55,10 +57,8 @@ from swarm.traffic import from_stats, per_token
 
 __all__ = ["breakdown", "peer_traffic", "markdown_section", "main", "TARGETS"]
 
-SECTION = "## Control plane"
 RESULTS = RESULTS_DIR / "control_plane.json"
-TARGETS = {"blockwise8": 0.10, "subspace d/32 + blockwise8": 0.50}
-"""The issue's targets: non-payload bytes / payload bytes on the wire."""
+STREAMS = RESULTS_DIR / "stream_cost.json"
 _COUNTERS = re.compile(r"stopping: .*counters (\{.*\})\s*$", re.M)
 DATA_KINDS = ("forward", "backward", "report", "info", "cancel")
 
@@ -169,155 +169,96 @@ def _label(subspace: int | None) -> str:
 def run(
     *,
     rates: list[str],
-    micro_batches: int,
+    micro_batches: list[int],
     idle_s: float,
     keeper: bool = False,
     cfg: LinksConfig | None = None,
     subspaces: tuple[int | None, ...] = (None, 32),
     say: Any = print,
 ) -> list[dict[str, Any]]:
-    """Each model (``subspaces``: None = blockwise8 activations, r = the subspace d/r model) at every rate
-    in one lab; one entry per run with its breakdown. ``cfg``: the links benchmark's settings (spec,
-    accumulate, timeouts); by default the benchmark's."""
+    """Each model (``subspaces``: None = blockwise8 activations, r = the subspace d/r model) at every rate,
+    for each run length in ``micro_batches``, in one lab; one entry per run with its breakdown. ``cfg``:
+    the links benchmark's settings (spec, accumulate, timeouts); by default the benchmark's."""
     from swarm.run.spec import RunSpec
 
-    cfg = cfg or LinksConfig(throughput_mb=micro_batches, warmup_mb=min(8, micro_batches // 2))
+    cfg = cfg or LinksConfig(throughput_mb=max(micro_batches), warmup_mb=min(8, min(micro_batches) // 2))
     stages = RunSpec.from_dict(base_spec_dict(cfg) | {"run_id": "control-plane"}).num_stages
     stage_nodes = [f"s{i}" for i in range(stages)]
-    all_nodes = ["boot", "trainer", *stage_nodes]
     nodes: dict[str, Any] = {"boot": "boot", "trainer": "trainer", "stages": stage_nodes}
     out = []
     with tempfile.TemporaryDirectory(prefix="swarmpipe-control-") as tmp:
         work = Path(tmp)
         with open_lab(["boot", "trainer", *stage_nodes], loopback=False) as lab:
             _, nodes["boot_maddr"] = start_bootstrap(lab, "boot", work, cfg.start_timeout_s)
-            for rate in rates:
-                lab.set_rate(rate)
-                for subspace in subspaces:
-                    job = Job(
-                        "swarm",
-                        format_rate(rate),
-                        "blockwise8",
-                        "async",
-                        micro_batches=micro_batches,
-                        subspace=subspace,
-                    )
-                    jw = work / f"{_label(subspace).replace(' ', '_').replace('/', '')}-{rate}"
-                    jw.mkdir()
-                    say(f"{job.name}: {micro_batches} micro-batches, idle {idle_s:.0f} s after")
-                    t = time.perf_counter()
-                    res = run_swarm(
-                        lab,
-                        cfg,
-                        job,
-                        jw,
-                        nodes,
-                        boot_maddr=nodes["boot_maddr"],
-                        idle_s=idle_s,
-                        keeper=keeper,
-                        probe=lambda: tcp_bytes(lab, all_nodes),
-                    )
-                    traffic = [
-                        peer_traffic(p.read_text(errors="replace")) for p in sorted(jw.glob("*-peer*.log"))
-                    ]
-                    summary = json.loads(next(jw.glob("*-out/summary.json")).read_text())
-                    traffic.append(summary.get("traffic", {}))
-                    b = breakdown(res, traffic, tokens=res["tokens"])
-                    if len(res["probes"]) >= 2:
-                        b["tcp_by_pair"] = pair_bytes(res["probes"][0], res["probes"][1], res["tokens"])
-                        b["tcp_total"] = sum(b["tcp_by_pair"].values())
-                    if len(res["probes"]) >= 3 and res["idle_s"] > 0:
-                        idle_pairs = pair_bytes(res["probes"][1], res["probes"][2], 1)
-                        b["idle_tcp_bytes_per_s_by_pair"] = {
-                            k: v / res["idle_s"] for k, v in idle_pairs.items()
-                        }
-                    say(
-                        f"    wire {b['wire']:.0f} B/token, payload {b['payload']:.0f}, overhead/payload "
-                        f"{b['ratio']:.3f} ({time.perf_counter() - t:.0f} s)"
-                    )
-                    out.append(
-                        {
-                            "label": _label(subspace),
-                            "rate": format_rate(rate),
-                            "tokens_per_s": res["tokens_per_s"],
-                            "micro_batches": micro_batches,
-                            "load_1min": res.get("load_1min"),
-                            "breakdown": b,
-                            "traffic": traffic,
-                        }
-                    )
+            current = None
+            for rate, n_mb, subspace in (
+                (r, n, ss) for r in rates for n in micro_batches for ss in subspaces
+            ):
+                if rate != current:
+                    lab.set_rate(rate)
+                    current = rate
+                one = _one_run(
+                    lab, cfg, nodes, work, rate, n_mb, subspace, idle_s=idle_s, keeper=keeper, say=say
+                )
+                out.append(one)
     remove_stale_sockets(socket_prefix())
     return out
 
 
-# ------------------------------------------------------------------------------------- markdown
-
-
-def _f(x: float | None, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _minus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
-
-
-def markdown_section(report: dict[str, Any]) -> str:
-    """The "Control plane" section: per-source bytes per token before and after, and the targets."""
-    variants = report.get("variants", {})
-    lines = [SECTION, ""]
-    lines += [report.get("reading", "").strip(), ""] if report.get("reading") else []
-    for name, v in variants.items():
-        lines.append(
-            f"- **{name}**: commit {v.get('commit', '?')}, {v.get('started', '?')}, command `{v.get('command', '?')}`; "
-            f"load average at start {v.get('load', '?')}"
-        )
-    lines.append("")
-    runs = [(name, r) for name, v in variants.items() for r in v["runs"]]
-    keys = list(dict.fromkeys(k for _, r in runs for k in r["breakdown"]["serialised"]))
-    head = "| bytes per token | " + " | ".join(f"{r['label']} @ {r['rate']}, {n}" for n, r in runs) + " |"
-    lines += [head, "|---" * (len(runs) + 1) + "|"]
-
-    def row(title: str, get: Any, spec: str = ".1f") -> None:
-        lines.append(f"| {title} | " + " | ".join(_f(get(r["breakdown"]), spec) for _, r in runs) + " |")
-
-    row("payload (trainer metrics)", lambda b: b["payload"])
-    row("**wire, all nodes**", lambda b: b["wire"])
-    row("**non-payload on the wire**", lambda b: b["overhead"])
-    for k in keys:
-        if k.startswith("payload"):
-            continue
-        row(f"serialised: {k}", lambda b, k=k: b["serialised"].get(k))
-    for kind in sorted({k for _, r in runs for k in r["breakdown"]["dht_stored_values"]}):
-        row(f"serialised: DHT values stored ({kind})", lambda b, kind=kind: b["dht_stored_values"].get(kind))
-    row("keeper's stage snapshots (state downloads; in the wire total)", lambda b: b.get("keeper_snapshots"))
-    row("TCP payload, all connections (ss)", lambda b: b.get("tcp_total"))
-    row(
-        "of it not serialised by us: DHT RPCs, averagers, libp2p framing",
-        lambda b: (
-            None
-            if b.get("tcp_total") is None
-            else b["tcp_total"]
-            - b["serialised"]["payload (activations, gradients)"]
-            - b["serialised_control"]
-        ),
+def _one_run(
+    lab: Any,
+    cfg: LinksConfig,
+    nodes: dict[str, Any],
+    work: Path,
+    rate: str,
+    n_mb: int,
+    subspace: int | None,
+    *,
+    idle_s: float,
+    keeper: bool,
+    say: Any,
+) -> dict[str, Any]:
+    """One swarm run of :func:`run` and its breakdown."""
+    all_nodes = [nodes["boot"], nodes["trainer"], *nodes["stages"]]
+    job = Job("swarm", format_rate(rate), "blockwise8", "async", micro_batches=n_mb, subspace=subspace)
+    jw = work / f"{_label(subspace).replace(' ', '_').replace('/', '')}-{rate}-{n_mb}"
+    jw.mkdir()
+    say(f"{job.name}: {n_mb} micro-batches, idle {idle_s:.0f} s after")
+    t = time.perf_counter()
+    res = run_swarm(
+        lab,
+        cfg,
+        job,
+        jw,
+        nodes,
+        boot_maddr=nodes["boot_maddr"],
+        idle_s=idle_s,
+        keeper=keeper,
+        probe=lambda: tcp_bytes(lab, all_nodes),
     )
-    row("IP/TCP headers and ACKs (wire - TCP payload)", lambda b: _minus(b["wire"], b.get("tcp_total")))
-    row("(idle tx rate after training x run time)", lambda b: b["background_wire"])
-    row("DHT stores per 1k tokens", lambda b: b["dht_stores_per_1k_tokens"], ".2f")
-    row("DHT reads per 1k tokens", lambda b: b["dht_gets_per_1k_tokens"], ".2f")
-    lines.append("| tokens/s | " + " | ".join(_f(r["tokens_per_s"], ".0f") for _, r in runs) + " |")
-    row("**non-payload / payload**", lambda b: b["ratio"], ".3f")
-    lines.append(
-        "| target | " + " | ".join(f"<= {TARGETS.get(r['label'], float('nan')):.2f}" for _, r in runs) + " |"
+    traffic = [peer_traffic(p.read_text(errors="replace")) for p in sorted(jw.glob("*-peer*.log"))]
+    summary = json.loads(next(jw.glob("*-out/summary.json")).read_text())
+    traffic.append(summary.get("traffic", {}))
+    b = breakdown(res, traffic, tokens=res["tokens"])
+    if len(res["probes"]) >= 2:
+        b["tcp_by_pair"] = pair_bytes(res["probes"][0], res["probes"][1], res["tokens"])
+        b["tcp_total"] = sum(b["tcp_by_pair"].values())
+    if len(res["probes"]) >= 3 and res["idle_s"] > 0:
+        idle_pairs = pair_bytes(res["probes"][1], res["probes"][2], 1)
+        b["idle_tcp_bytes_per_s_by_pair"] = {k: v / res["idle_s"] for k, v in idle_pairs.items()}
+    say(
+        f"    wire {b['wire']:.0f} B/token, payload {b['payload']:.0f}, overhead/payload "
+        f"{b['ratio']:.3f} ({time.perf_counter() - t:.0f} s)"
     )
-    lines.append(
-        "| met | "
-        + " | ".join(
-            "yes" if r["breakdown"]["ratio"] <= TARGETS.get(r["label"], -1) else "**no**" for _, r in runs
-        )
-        + " |"
-    )
-    return "\n".join(lines) + "\n"
+    return {
+        "label": _label(subspace),
+        "rate": format_rate(rate),
+        "tokens_per_s": res["tokens_per_s"],
+        "micro_batches": n_mb,
+        "load_1min": res.get("load_1min"),
+        "breakdown": b,
+        "traffic": traffic,
+    }
 
 
 def _commit() -> str:
@@ -331,6 +272,19 @@ def _commit() -> str:
         return "?"
 
 
+def _fold(report: dict[str, Any], name: str, variant: dict[str, Any]) -> None:
+    """Put ``variant``'s runs under ``name`` in ``report``, replacing only the runs of the same rate, run
+    length and model (a run without a length is the old default's, 24)."""
+
+    def key(r: dict[str, Any]) -> tuple:
+        return r["rate"], r.get("micro_batches", 24), r["label"]
+
+    new_keys = {key(r) for r in variant["runs"]}
+    old = report["variants"].get(name, {})
+    keep = [r for r in old.get("runs", []) if key(r) not in new_keys]
+    report["variants"][name] = {**old, **variant, "runs": keep + variant["runs"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.control_plane",
@@ -341,7 +295,23 @@ def main(argv: list[str] | None = None) -> int:
         "--variant", default="after", help="name of this code's runs in the results (before, after)"
     )
     parser.add_argument("--rates", nargs="+", default=["none"])
-    parser.add_argument("--micro-batches", type=int, default=24, help="per run (the links benchmark's 24)")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        nargs="+",
+        default=[24, 128],
+        help="run lengths: one run of each (24: the links benchmark's throughput runs)",
+    )
+    parser.add_argument(
+        "--table", default=None, help="group this variant's runs into the table of this title (--render)"
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="only fold the runs of these results files (e.g. --out of an older checkout) into --variant of --out",
+    )
     parser.add_argument("--idle-s", type=float, default=20.0, help="peers kept up after training, measured")
     parser.add_argument(
         "--keeper",
@@ -357,8 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         if reading.exists():
             report["reading"] = reading.read_text()
-        write_section(markdown_section(report))
+        streams = STREAMS.exists() and json.loads(STREAMS.read_text()) or None
+        write_section(markdown_section(report, streams))
         print(f"rewrote the {SECTION!r} section from {path}")
+        return 0
+    if args.merge:  # into --variant (and --table): another checkout's runs, whatever it named them
+        for other in args.merge:
+            for v in json.loads(Path(other).read_text())["variants"].values():
+                _fold(report, args.variant, v | ({"table": args.table} if args.table else {}))
+        path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"folded {len(args.merge)} file(s) into {path}")
         return 0
     reason = lab_unavailable_reason(probe=True)
     if reason:
@@ -369,9 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     load = f"{os.getloadavg()[0]:.1f}"
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs = run(rates=args.rates, micro_batches=args.micro_batches, idle_s=args.idle_s, keeper=args.keeper)
-    old = report["variants"].get(args.variant, {})
-    keep = [r for r in old.get("runs", []) if r["rate"] not in {format_rate(x) for x in args.rates}]
-    report["variants"][args.variant] = {
+    variant = {
         "commit": _commit(),
         "started": started,
         "load": load,
@@ -379,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine_info(),
         "keeper": args.keeper,
-        "runs": keep + runs,
+        "runs": runs,
     }
+    if args.table:
+        variant["table"] = args.table
+    _fold(report, args.variant, variant)
     path.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"results in {path}; `python -m benchmarks.control_plane --render` writes BENCHMARKS.md")
     return 0

@@ -124,6 +124,7 @@ class StageJoining:
             ServedRate(self.throughput, now=time.monotonic()) if self.config.throughput is None else None
         )
         self._fwd_s.clear()
+        self._fwd_stats.clear()
         initial = await self._initial_weights(stage)
         compute = await asyncio.to_thread(
             StageCompute,

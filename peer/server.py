@@ -108,6 +108,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
         self._codecs: tuple[Any, Any] | None = None  # (activations, gradients)
         self._rate: ServedRate | None = None  # note "served throughput" (peer/throughput.py)
         self._fwd_s: OrderedDict[str, float] = OrderedDict()  # mb_id -> its forward task's seconds
+        self._fwd_stats: OrderedDict[str, dict] = OrderedDict()  # mb_id -> its forward's stats (one report)
         self._started_at = time.monotonic()  # start() resets it: the startup lines count from there
         self._stopping: asyncio.Future | None = None  # the one shutdown, once begun
         self._tasks = TaskOwner(self._stop_on_crash)

@@ -10,6 +10,10 @@ Per-hop stats keys added to headers and reports (all floats): ``fwd_compute_s_<s
 version) and ``staleness_<s>`` (versions elapsed until backward). The forward keys travel with the
 FORWARDs and reach the trainer in the last stage's ``loss`` report; the BACKWARDs and stage 0's ``done``
 report carry only the backward keys (the trainer merges both reports' stats), not the forward keys again.
+When the forward header asks for ``one_report`` (note "one report" in swarm/wire/protocol.py), the last
+stage sends no ``loss`` report and the FORWARDs carry no stats: each stage keeps its forward keys until
+its backward and adds them to the BACKWARD it sends (the last stage with its loss), so every key crosses
+each link at most once, and stage 0's ``done`` carries everything.
 
 ``WorkerTasks`` is one of ``StagePeer``'s parts (peer/server.py).
 """
@@ -94,6 +98,11 @@ class WorkerTasks:
             nxt = h.route[s + 1]
             payload = self._codecs[0].encode(res.output, stream=(nxt, s, "act"))
             stats[f"fwd_bytes_{s}"] = float(len(payload))
+            if h.mode == "train" and h.one_report:  # note "one report": they go down with the backward
+                self._fwd_stats[h.mb_id] = stats
+                while len(self._fwd_stats) > 4096:
+                    self._fwd_stats.popitem(last=False)
+                stats = {}
             header = dataclasses.replace(h, stage=s + 1, stats=stats, sent_at=time.time())
             # if the hop fails the route broke downstream: its backward never comes, so free the stash entry
             self._outbox.send(
@@ -121,7 +130,10 @@ class WorkerTasks:
                 stats=stats,
             )
 
-        if h.mode == "train":
+        if h.mode == "train" and h.one_report:  # note "one report": loss and forward stats go down
+            self.counters["backwards"] += 1
+            self._after_backward(compute, h, res.grad_input, stats, loss=res.loss, n_tokens=res.n_tokens)
+        elif h.mode == "train":
             self._outbox.send(self._outbox.report(h.trainer, report("loss")), hold=h.mb_id)
             self.counters["backwards"] += 1
             self._after_backward(compute, h, res.grad_input, {})  # the loss report has the forward stats
@@ -171,13 +183,14 @@ class WorkerTasks:
         res = compute.backward(h.mb_id, grad)
         self.counters["backwards"] += 1
         stats = dict(h.stats)
+        stats.update(self._fwd_stats.pop(h.mb_id, {}))  # note "one report": this stage's forward stats
         stats[f"bwd_compute_s_{s}"] = res.compute_s
         stats[f"bwd_queue_s_{s}"] = waited
         stats[f"staleness_{s}"] = float(res.staleness)
         # the EMA of versions between forward and the step that applies the gradient, which for a
         # replica includes the wait for its round (note "applied staleness" in peer/compute.py)
         stats[f"applied_staleness_{s}"] = float(compute.optimizer.staleness)
-        self._after_backward(compute, fwd, res.grad_input, stats)
+        self._after_backward(compute, fwd, res.grad_input, stats, loss=h.loss, n_tokens=h.n_tokens)
 
     def _after_backward(
         self,
@@ -185,31 +198,38 @@ class WorkerTasks:
         fwd: ForwardHeader,
         grad_input: torch.Tensor | None,
         stats: dict[str, float],
+        *,
+        loss: float | None = None,
+        n_tokens: int = 0,
     ) -> None:
-        """Send the input gradient to the previous stage, or report ``done`` from stage 0."""
+        """Send the input gradient to the previous stage, or report ``done`` from stage 0. ``loss``: the
+        last stage's, on its way to the trainer (note "one report" in swarm/wire/protocol.py)."""
         s = compute.stage
         if s == 0:
-            self._outbox.send(
-                self._outbox.report(
-                    fwd.trainer,
-                    Report(
-                        run_id=fwd.run_id,
-                        mb_id=fwd.mb_id,
-                        kind="done",
-                        stage=0,
-                        peer=self.peer_id,
-                        version=compute.version,
-                        stats=stats,
-                    ),
-                ),
-                hold=fwd.mb_id,
+            done = Report(
+                run_id=fwd.run_id,
+                mb_id=fwd.mb_id,
+                kind="done",
+                stage=0,
+                peer=self.peer_id,
+                loss=loss,
+                n_tokens=n_tokens,
+                version=compute.version,
+                stats=stats,
             )
+            self._outbox.send(self._outbox.report(fwd.trainer, done), hold=fwd.mb_id)
             return
         prev = fwd.route[s - 1]
         payload = self._codecs[1].encode(grad_input, stream=(prev, s, "grad"))
         stats[f"bwd_bytes_{s}"] = float(len(payload))
         header = BackwardHeader(
-            run_id=fwd.run_id, spec_hash=fwd.spec_hash, mb_id=fwd.mb_id, stage=s - 1, stats=stats
+            run_id=fwd.run_id,
+            spec_hash=fwd.spec_hash,
+            mb_id=fwd.mb_id,
+            stage=s - 1,
+            stats=stats,
+            loss=loss,
+            n_tokens=n_tokens,
         )
         self._outbox.send(
             self._outbox.deliver(BACKWARD, fwd.route[header.stage], fwd, header, payload, drop_from=None),

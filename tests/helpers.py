@@ -142,7 +142,7 @@ class Driver:
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
 
-    def header(self, route, tokens, targets, mode="train") -> ForwardHeader:
+    def header(self, route, tokens, targets, mode="train", one_report=False) -> ForwardHeader:
         return ForwardHeader(
             run_id=self.spec.run_id,
             spec_hash=self.spec.spec_hash,
@@ -155,10 +155,11 @@ class Driver:
             seq=tokens.shape[1],
             tokens=pack_tokens(tokens),
             targets=b"" if targets is None else pack_tokens(targets),
+            one_report=one_report,
         )
 
-    async def send(self, route, tokens, targets, mode="train") -> str:
-        h = self.header(route, tokens, targets, mode)
+    async def send(self, route, tokens, targets, mode="train", one_report=False) -> str:
+        h = self.header(route, tokens, targets, mode, one_report)
         await call(self.p2p, route[0], FORWARD, Message(h.to_wire()), timeout_s=10)
         return h.mb_id
 

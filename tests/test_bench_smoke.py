@@ -547,7 +547,7 @@ def test_control_plane_benchmark_smoke(tiny_spec):
         start_timeout_s=120,
         run_timeout_s=120,
     )
-    runs = run(rates=["none"], micro_batches=4, idle_s=2.0, cfg=cfg, subspaces=(None,), say=lambda _: None)
+    runs = run(rates=["none"], micro_batches=[4], idle_s=2.0, cfg=cfg, subspaces=(None,), say=lambda _: None)
     [r] = runs
     b = r["breakdown"]
     assert b["wire"] >= b["payload"] > 0
@@ -558,3 +558,15 @@ def test_control_plane_benchmark_smoke(tiny_spec):
     assert b["tcp_by_pair"] and b["tcp_total"] <= b["wire"]  # TCP payload: no IP/TCP headers
     assert b["idle_bytes_per_s_by_node"] and b["keeper_snapshots"] == 0
     assert "| **non-payload / payload** |" in markdown_section({"variants": {"smoke": {"runs": runs}}})
+
+
+@pytest.mark.slow
+@needs_lab
+def test_stream_cost_benchmark_smoke():
+    """One message's wire cost (benchmarks/stream_cost.py): two lab nodes, a few calls of each shape."""
+    from benchmarks.stream_cost import SHAPES, run
+
+    results = run(calls=8, concurrency=2, settle_s=0.3)
+    assert [r["shape"] for r in results] == list(SHAPES)
+    for r in results:  # every call is a stream of several packets with more bytes than we serialised
+        assert r["packets_per_call"] > 4 and r["wire_bytes_per_call"] > r["serialised_bytes_per_call"]

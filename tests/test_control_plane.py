@@ -199,3 +199,38 @@ def test_breakdown_adds_up():
         }
     )
     assert "| **non-payload / payload** | 0.600 |" in text and "**no**" in text
+
+
+def test_runs_of_several_lengths_fold_by_rate_length_and_model_and_group_into_tables():
+    from benchmarks.control_plane import _fold
+
+    b = breakdown(_result(), [{"forward": {"count": 4, "header": 800, "payload": 60000}}], tokens=1000)
+    run = {"label": "blockwise8", "rate": "none", "tokens_per_s": 1.0, "breakdown": b}
+    report = {"variants": {"before": {"runs": [run]}}}  # an older run without a length: 24
+    _fold(report, "main", {"table": "Fewer streams", "runs": [run | {"micro_batches": 24}]})
+    _fold(report, "main", {"table": "Fewer streams", "runs": [run | {"micro_batches": 128}]})
+    _fold(
+        report,
+        "main",
+        {"table": "Fewer streams", "runs": [run | {"micro_batches": 128, "tokens_per_s": 2.0}]},
+    )
+    assert [(r["micro_batches"], r["tokens_per_s"]) for r in report["variants"]["main"]["runs"]] == [
+        (24, 1.0),
+        (128, 2.0),
+    ]
+    streams = {
+        "runs": [
+            {
+                "shape": "INFO",
+                "concurrency": 1,
+                "serialised_bytes_per_call": 41,
+                "wire_bytes_per_call": 1349.0,
+                "packets_per_call": 13.1,
+                "fixed_bytes_per_call": 1308.0,
+            }
+        ]
+    }
+    text = markdown_section(report, streams)
+    assert "| INFO | 1 | 41 | 1349 | 13.1 | 1308 |" in text
+    assert "**Fewer streams**" in text and "blockwise8 @ none, 128 mb, main" in text
+    assert "| FORWARD messages per micro-batch | 2.05 |" in text  # 4 per 1,000 tokens, 512 per micro-batch

@@ -153,3 +153,29 @@ def test_the_cache_keeps_every_stage_written_by_concurrent_peers(tmp_path):
     for t in threads:
         t.join()
     assert _read_cache(tmp_path / "throughput.json") == {f"k{i}": float(i + 1) for i in range(16)}
+
+
+def test_a_completed_micro_batch_counts_as_hearing_every_peer_of_its_route():
+    """Note "heard through a completion": the middle stages never report, so a completion must keep them
+    from being probed; a peer of no completed route is still probed once it was silent."""
+    from swarm.train.accounting import Ledger
+    from swarm.train.probing import Prober
+
+    ledger = Ledger(tag="t", max_attempts=2)
+    now = [0.0]
+    prober = Prober(
+        LivenessConfig(silence_s=1.0),
+        ledger=ledger,
+        failures=None,
+        checks={},
+        link=None,
+        clock=lambda: now[0],
+    )
+    route = ("s0", "s1", "s2")
+    attempt = ledger.start_attempt(ledger.open("train", 8).index, route, now=0.0, timeout_s=60.0)
+    prober.sent(route, 0.0)
+    prober.sent(("s0", "x1", "s2"), 0.0)
+    prober.completed(attempt, train=True, round_trip_s=0.9, at=0.9)
+    assert prober.liveness.due(["s0", "s1", "s2", "x1"], 1.5) == ["x1"]
+    assert prober.liveness.due(["s0", "s1", "s2", "x1"], 2.0) == ["s0", "s1", "s2", "x1"]
+    assert prober.rtt.samples == 1

@@ -9,6 +9,7 @@ from hivemind.p2p import P2P
 from swarm.errors import Failure, PeerFailure, RequestError
 from swarm.wire.protocol import (
     PART_BYTES,
+    BackwardHeader,
     ForwardHeader,
     Message,
     Report,
@@ -155,6 +156,28 @@ def test_forward_header_accepts_each_width_and_refuses_mixed_widths():
     _, d = _fwd(tokens=pack_tokens(tokens, 256), targets=pack_tokens(tokens))
     with pytest.raises(RequestError, match="width of 'tokens'"):
         ForwardHeader.from_wire(d)
+
+
+def test_one_report_travels_as_a_flag_and_the_loss_down_the_backward_headers():
+    """Note "one report": the flag and the backward's loss are absent on the wire unless used, so headers
+    without them are byte for byte what older peers sent and read; a bad value is refused by name."""
+    h, d = _fwd()
+    assert "one_report" not in d and not ForwardHeader.from_wire(d).one_report
+    h, d = _fwd(one_report=True)
+    assert ForwardHeader.from_wire(d).one_report
+    with pytest.raises(RequestError, match="'one_report' must be a bool"):
+        ForwardHeader.from_wire(d | {"one_report": 1})
+    b = BackwardHeader(run_id="r", spec_hash="abcd", mb_id="m", stage=1, stats={"fwd_bytes_0": 9.0})
+    assert set(b.to_wire()) == {"run_id", "spec_hash", "mb_id", "stage", "sent_at", "stats"}
+    assert BackwardHeader.from_wire(b.to_wire()).loss is None
+    with_loss = BackwardHeader(run_id="r", spec_hash="abcd", mb_id="m", stage=1, loss=2.5, n_tokens=16)
+    assert BackwardHeader.from_wire(with_loss.to_wire()) == with_loss
+    with pytest.raises(RequestError, match="'loss' must be a number"):
+        BackwardHeader.from_wire(with_loss.to_wire() | {"loss": "low"})
+    with pytest.raises(RequestError, match="'n_tokens'"):
+        BackwardHeader.from_wire(with_loss.to_wire() | {"n_tokens": -1})
+    done = Report(run_id="r", mb_id="m", kind="done", stage=0, peer="p", loss=2.5, n_tokens=16)
+    assert Report.from_wire(done.to_wire()) == done
 
 
 def test_report_validation():

@@ -142,10 +142,12 @@ class SwarmLink:
         timeout_s: float,
         counted_from: int = -1,
         window: int = -1,
+        one_report: bool = False,
     ) -> dict[str, Any]:
         """Hand one micro-batch to ``route[0]``; returns its acknowledgement (raises
         ``PeerFailure`` / ``RequestError`` as ``swarm.wire.protocol.call`` does). ``counted_from``: see
-        note "counted stages" (the trainer's docstring)."""
+        note "counted stages" (the trainer's docstring); ``one_report``: ask for stage 0's ``done`` to
+        carry the loss instead of a ``loss`` report (note "one report" in swarm/wire/protocol.py)."""
         from swarm.wire.protocol import FORWARD, ForwardHeader, Message, call, pack_ids
 
         ids, target_ids, shifted = pack_ids(tokens, targets, self.spec.model.vocab_size)
@@ -165,6 +167,7 @@ class SwarmLink:
             counted_from=counted_from,
             window=window,
             shifted=shifted,
+            one_report=one_report,
         )
         return await call(
             self.p2p, route[0], FORWARD, Message(header.to_wire(), b""), timeout_s=timeout_s, auth=self.auth

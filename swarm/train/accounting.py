@@ -88,7 +88,8 @@ class ReportOutcome:
     """What a report meant. ``event`` is one of:
 
     ``loss`` (train: the last stage's loss arrived, gradients still on their way back),
-    ``completed`` (the micro-batch is done), ``failed`` (the attempt broke; call :meth:`Ledger.fail`),
+    ``completed`` (the micro-batch is done; a ``done`` that carries the loss, note "one report" in
+    swarm/wire/protocol.py, completes it with its loss), ``failed`` (the attempt broke; call :meth:`Ledger.fail`),
     ``late`` (names a closed attempt), ``unknown`` (names no attempt of this ledger),
     ``ignored`` (a report kind that does not fit the attempt's mode; counted as odd).
     """
@@ -157,7 +158,7 @@ class Ledger:
             self._take_loss(attempt, mb, report)
             return ReportOutcome("loss", attempt, mb)
         if (report.kind == "done" and mb.kind == "train") or (report.kind == "result" and mb.kind != "train"):
-            if report.kind == "result" and report.loss is not None:
+            if report.loss is not None:  # a result's, or a ``done`` carrying the loss (one report)
                 self._take_loss(attempt, mb, report)
             else:
                 attempt.stats.update(report.stats)

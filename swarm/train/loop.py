@@ -282,7 +282,7 @@ class TrainLoop:
     def _completed(self, attempt: Attempt, mb: MicroBatch, at: float) -> None:
         train = mb.kind == "train"
         trip = at - attempt.started
-        self.prober.completed(attempt, train=train, round_trip_s=trip)
+        self.prober.completed(attempt, train=train, round_trip_s=trip, at=at)
         if train:
             changed = self.policy.observe(at, trip, self.ledger.inflight())  # note "pacing"
             if changed is not None:
@@ -381,6 +381,7 @@ class TrainLoop:
                 timeout_s=self.config.call_timeout_s,
                 counted_from=mb.data.get("counted_from", -1),
                 window=mb.data.get("window", -1),
+                one_report=mb.kind == "train",  # note "one report" (swarm/wire/protocol.py)
             )
         except PeerFailure as e:
             self.inbox.put(SendFailed(attempt, e.failure, str(e)))

@@ -3,7 +3,9 @@
 Failure detection (note "failure detection"; the pure logic is swarm/client/liveness.py)
 --------------------------------------------------------------------------------
 A peer that dies takes the micro-batches it held with it, and nobody reports that. So: every report,
-acknowledgement and probe answer counts as having heard from its peer; a peer that holds micro-batches
+acknowledgement and probe answer counts as having heard from its peer, and a completed micro-batch as
+having heard from every peer of its route (note "heard through a completion" in swarm/client/liveness.py);
+a peer that holds micro-batches
 of ours and was silent for ``liveness.silence_s`` (1 s), or whose record left its stage or says
 ``leaving`` at a refresh, is probed with ``INFO``; a refused connection (or repeated probe timeouts)
 closes every attempt through it at once, and the peer is kept out of routes for
@@ -75,8 +77,12 @@ class Prober:
         if attempt.state == "inflight":  # the adaptive check time
             self.checks[attempt.mb_id] = HoldCheck(check_at=attempt.started + self.rtt.rto_s)
 
-    def completed(self, attempt: Attempt, *, train: bool, round_trip_s: float) -> None:
+    def completed(self, attempt: Attempt, *, train: bool, round_trip_s: float, at: float) -> None:
+        """An attempt completed: every peer of its route was alive after it started (note "heard through
+        a completion"), and its round trip feeds the check time."""
         self.checks.pop(attempt.mb_id, None)
+        for pid in set(attempt.route):
+            self.liveness.heard(pid, at)
         if train:
             self.rtt.observe(round_trip_s)
 

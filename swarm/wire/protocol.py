@@ -42,13 +42,28 @@ Flow of one training micro-batch (the trainer's view is in swarm/train/trainer.p
 1. trainer -> route[0]     ``FORWARD``  (tokens and targets in the header, empty payload; one window of
    ``seq + 1`` ids when the targets are the tokens shifted by one: note "shifted window")
 2. route[s] -> route[s+1]  ``FORWARD``  (payload = encoded activation of stage s)
-3. last stage: loss; ``REPORT`` kind ``loss`` to the trainer; then, in ``train`` mode,
-   route[S-1] -> route[S-2] ``BACKWARD`` (payload = encoded gradient w.r.t. that stage's input)
-4. route[s] -> route[s-1]  ``BACKWARD`` ... down to stage 0, which sends ``REPORT`` kind ``done``.
+3. last stage: loss; then, in ``train`` mode, route[S-1] -> route[S-2] ``BACKWARD`` (payload = encoded
+   gradient w.r.t. that stage's input; header = the loss and the forward's stats, note "one report")
+4. route[s] -> route[s-1]  ``BACKWARD`` ... down to stage 0, which sends ``REPORT`` kind ``done`` with the
+   loss and every stage's stats: one report per micro-batch. In ``eval`` / ``generate`` mode the last
+   stage sends ``REPORT`` kind ``result`` instead of a backward.
 Any peer that cannot deliver to the next hop sends ``REPORT`` kind ``failed`` naming the stage and
 peer that failed, and drops its stash entry. ``FORWARD`` and ``BACKWARD`` are acknowledged as soon
 as the request is validated and queued (the ack carries the queue length), so a call never waits
 for the rest of the route.
+
+One report (note "one report")
+------------------------------
+A message is a libp2p stream of its own (a yamux stream through both p2pd daemons, multistream-select of
+the protocol name, noise frames, the reply, both closes): ~1.3 KB and 13 packets on the wire beyond its
+header and payload (``python -m benchmarks.stream_cost``), as much as 2.6 bytes per token of a 512-token
+micro-batch, against ~16 bytes per token of payload per hop of a subspace d/32 run. So a trainer's
+``FORWARD`` asks for ``one_report``: the last stage then sends no ``loss`` report, its loss (``loss``,
+``n_tokens``) rides the ``BACKWARD`` headers down, each stage adds its forward's per-hop stats to the
+``BACKWARD`` it sends (the ``FORWARD`` headers carry none), and stage 0's ``done`` carries them all. Both fields are absent on the wire unless used. Mixed versions keep working: a peer older
+than the flag re-serialises the forward header without it, so the last stage of such a route sends
+``loss`` and ``done`` as before (the trainer takes either), and a route whose last stage saw the flag has
+only peers that pass the loss down.
 
 Probes and cancellations (note "liveness probes" in swarm/client/liveness.py)
 ----------------------------------------------------------------------
@@ -175,6 +190,21 @@ def _opt_int(d: dict[str, Any], key: str, default: int, what: str, lo: int, hi: 
     return _check_int(value, key, what, lo, hi)
 
 
+def _opt_bool(d: dict[str, Any], key: str, what: str) -> bool:
+    """An optional flag (absent in messages of older peers, and when False)."""
+    value = d.get(key, False)
+    if not isinstance(value, bool):
+        raise RequestError(f"{what}: {key!r} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _opt_loss(d: dict[str, Any], what: str) -> float | None:
+    loss = d.get("loss")
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+        raise RequestError(f"{what}: 'loss' must be a number or None")
+    return None if loss is None else float(loss)
+
+
 def _check_stats(stats: Any, what: str) -> dict[str, float]:
     if not isinstance(stats, dict) or len(stats) > 256:
         raise RequestError(f"{what}: 'stats' must be a dict of at most 256 numbers")
@@ -223,12 +253,16 @@ class ForwardHeader:
     # window of a trainer knows the previous one is over everywhere (peer/replicas.py).
     window: int = -1
     shifted: bool = False
+    # note "one report": the trainer asks for one report per training micro-batch; the last stage sends
+    # its loss down in the BACKWARD header instead of a ``loss`` report, and stage 0's ``done`` carries it
+    one_report: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["route"] = list(self.route)
-        if not self.shifted:  # absent = False: the header of an unshifted micro-batch is unchanged
-            del d["shifted"]
+        for flag in ("shifted", "one_report"):  # absent = False: headers without them are unchanged
+            if not d[flag]:
+                del d[flag]
         return d
 
     def token_ids(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -255,9 +289,7 @@ class ForwardHeader:
         seq = _check_int(_get(d, "seq", int, what), "seq", what, 1, 1 << 20)
         tokens = _get(d, "tokens", bytes, what)
         targets = _get(d, "targets", bytes, what)
-        shifted = d.get("shifted", False)
-        if not isinstance(shifted, bool):
-            raise RequestError(f"{what}: 'shifted' must be a bool, got {type(shifted).__name__}")
+        shifted = _opt_bool(d, "shifted", what)
         cols = seq + 1 if shifted else seq
         width = _width_of(tokens, batch, cols)
         if width is None:
@@ -297,12 +329,17 @@ class ForwardHeader:
             counted_from=_opt_int(d, "counted_from", -1, what, -1, len(route)),
             window=_opt_int(d, "window", -1, what, -1, 1 << 62),
             shifted=shifted,
+            one_report=_opt_bool(d, "one_report", what),
         )
 
 
 @dataclass(frozen=True)
 class BackwardHeader:
-    """Header of a ``BACKWARD`` message: the gradient w.r.t. the output of stage ``stage``."""
+    """Header of a ``BACKWARD`` message: the gradient w.r.t. the output of stage ``stage``.
+
+    ``loss`` and ``n_tokens`` (note "one report"): the last stage's loss of a micro-batch whose forward
+    header asked for ``one_report``, carried down to stage 0 (None, and absent on the wire, otherwise).
+    """
 
     run_id: str
     spec_hash: str
@@ -310,9 +347,14 @@ class BackwardHeader:
     stage: int
     sent_at: float = field(default_factory=time.time)
     stats: dict[str, float] = field(default_factory=dict)  # accumulated like ForwardHeader.stats
+    loss: float | None = None
+    n_tokens: int = 0
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.loss is None:  # absent: the header without a loss is unchanged
+            del d["loss"], d["n_tokens"]
+        return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> BackwardHeader:
@@ -327,6 +369,8 @@ class BackwardHeader:
             stage=_check_int(_get(d, "stage", int, what), "stage", what, 0, _MAX_ROUTE),
             sent_at=float(sent_at),
             stats=_check_stats(d.get("stats", {}), what),
+            loss=_opt_loss(d, what),
+            n_tokens=_opt_int(d, "n_tokens", 0, what, 0, 1 << 40),
         )
 
 
@@ -335,7 +379,8 @@ class Report:
     """A peer -> trainer report about one micro-batch.
 
     kinds: ``loss`` (last stage: ``loss`` and ``n_tokens`` set), ``done`` (stage 0 finished backward:
-    the micro-batch's gradients reached every stage), ``failed`` (``stage``/``peer`` name the hop that
+    the micro-batch's gradients reached every stage; with ``loss`` and ``n_tokens`` set when the forward
+    asked for one report, note "one report"), ``failed`` (``stage``/``peer`` name the hop that
     failed, ``reason`` says why), ``result`` (eval/generate: ``loss`` and/or payload = encoded logits).
     ``stats`` holds per-stage numbers such as compute seconds and bytes sent (str -> float).
     """
@@ -367,9 +412,7 @@ class Report:
         kind = _get(d, "kind", str, what)
         if kind not in _REPORT_KINDS:
             raise RequestError(f"{what}: 'kind' = {kind!r} is not one of {_REPORT_KINDS}")
-        loss = d.get("loss")
-        if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
-            raise RequestError(f"{what}: 'loss' must be a number or None")
+        loss = _opt_loss(d, what)
         reason = d.get("reason", "")
         if not isinstance(reason, str):
             raise RequestError(f"{what}: 'reason' must be a string")
@@ -379,7 +422,7 @@ class Report:
             kind=kind,  # type: ignore[arg-type]
             stage=_check_int(_get(d, "stage", int, what), "stage", what, -1, _MAX_ROUTE),
             peer=_get(d, "peer", str, what)[:_MAX_ID_CHARS],
-            loss=None if loss is None else float(loss),
+            loss=loss,
             n_tokens=_check_int(int(d.get("n_tokens", 0)), "n_tokens", what, 0, 1 << 40),
             reason=reason[:2000],
             version=int(d.get("version", -1)),
