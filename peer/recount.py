@@ -1,0 +1,73 @@
+"""When a stage peer counts its stage's live replicas again (pure logic; the peer's side is in
+peer/loops.py, note "replica recount").
+
+A replica's count of its stage's online replicas decides whether it steps alone or in gradient rounds
+(peer/replicas.py), and two replicas that disagree waste rounds: the one that counts two looks for a
+group the other never joins ("could not find a group", a round timeout each), until it steps alone
+and both catch up by download. Counting is a DHT read of the stage's records and an ``INFO`` call
+to each other replica, so the announce loop does not count on every tick (note "announce on change",
+peer/announcements.py):
+
+- on a tick that stores the record, and on every tick while more than one replica is counted (a
+  replica that died must be found: this peer's rounds with it would fail);
+- after a *hint* that the stage changed: this peer served its state to another peer (a joiner
+  downloads from a live replica before it goes online; a lagging replica catches up the same way).
+  A lone replica is the only donor a joiner of its stage can find, so without the hint it learnt of
+  the joiner only on its next store, up to ``refresh_ticks`` ticks (15 s) later, while the joiner
+  already counted two. After a hint the peer counts again ``delays_s`` apart (the joiner goes online
+  a moment after its download) until the count changes or the delays are used up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["RECOUNT_DELAYS_S", "Recount"]
+
+RECOUNT_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+"""Gaps between the counts after a hint: the first half a second after it, the last 7.5 s after it."""
+
+
+@dataclass
+class Recount:
+    """Which ticks count the replicas, and the counts due after a hint (times are ``time.monotonic()``)."""
+
+    delays_s: tuple[float, ...] = RECOUNT_DELAYS_S
+    _due: list[float] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.delays_s or not all(math.isfinite(d) and d > 0 for d in self.delays_s):
+            raise ValueError(f"recount delays {self.delays_s!r} must be positive numbers of seconds")
+
+    @staticmethod
+    def on_tick(*, stored: bool, replicas: int) -> bool:
+        """Whether an announce tick counts the replicas: when it stored the record, or while more than
+        one replica is counted."""
+        return stored or replicas > 1
+
+    def hint(self, now: float) -> bool:
+        """The stage probably changed at ``now``: (re)start the counts after it. True when none was
+        pending (the caller starts the task that makes them); otherwise that task makes the new ones."""
+        idle = not self._due
+        at, self._due = now, []
+        for delay in self.delays_s:
+            at += delay
+            self._due.append(at)
+        return idle
+
+    def next_at(self) -> float | None:
+        """When the next count after a hint is due, or None when none is pending."""
+        return self._due[0] if self._due else None
+
+    def counted(self, now: float, *, changed: bool) -> None:
+        """A count was made at ``now``: a changed count ends the hint's counts, otherwise the ones due
+        by ``now`` are done."""
+        if changed:
+            self._due.clear()
+        else:
+            self._due = [t for t in self._due if t > now]
+
+    def clear(self) -> None:
+        """Drop the pending counts (the peer left its stage or stopped being online)."""
+        self._due.clear()
