@@ -15,7 +15,12 @@ peer/announcements.py):
   A lone replica is the only donor a joiner of its stage can find, so without the hint it learnt of
   the joiner only on its next store, up to ``refresh_ticks`` ticks (15 s) later, while the joiner
   already counted two. After a hint the peer counts again ``delays_s`` apart (the joiner goes online
-  a moment after its download) until the count changes or the delays are used up.
+  a moment after its download) until the count changes or the delays are used up;
+- while a gradient round waits for its all-reduce well past its usual length (note "lost member",
+  ``member_check_due``): a member SIGKILLed mid-round otherwise holds the round, and with it the
+  stage's step and every forward that waits for it, until hivemind's chunk timeout (10 s), even when
+  this peer's announce tick already counted one replica less. A round whose group is larger than the
+  replicas counted is given up at once (peer/replicas.py), the replica steps alone with its gradients.
 """
 
 from __future__ import annotations
@@ -23,10 +28,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["RECOUNT_DELAYS_S", "Recount"]
+__all__ = ["MEMBER_CHECK_S", "RECOUNT_DELAYS_S", "Recount", "member_check_due"]
 
 RECOUNT_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 """Gaps between the counts after a hint: the first half a second after it, the last 7.5 s after it."""
+MEMBER_CHECK_S = 2.0
+"""A round slower than this (and than 3 usual rounds) counts its stage's replicas, and again this often."""
+
+
+def member_check_due(waited_s: float, since_check_s: float, round_s_ema: float | None) -> bool:
+    """Whether a round that has waited ``waited_s`` for its all-reduce counts the stage's live replicas
+    now (note "lost member"): once it runs longer than ``max(MEMBER_CHECK_S, 3 x its usual length)``,
+    at most every ``MEMBER_CHECK_S`` (``since_check_s`` since the last count)."""
+    slow = max(MEMBER_CHECK_S, 3.0 * (round_s_ema or 0.0))
+    return waited_s >= slow and since_check_s >= MEMBER_CHECK_S
 
 
 @dataclass

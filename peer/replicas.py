@@ -60,6 +60,7 @@ import torch
 
 from peer.averaging import ALLREDUCE_MARGIN_S, StageAverager
 from peer.compute import StageCompute
+from peer.recount import member_check_due
 
 __all__ = ["ReplicaRounds", "RoundsConfig", "round_outcome"]
 
@@ -172,6 +173,7 @@ class ReplicaRounds:
         self.last_round_size = 0
         self.round_s_ema: float | None = None  # seconds a completed round took (EMA)
         self._last_poll = -math.inf
+        self._member_checked = -math.inf  # the last count a slow round made (``_member_lost``)
         self._scheduled: _Scheduled | None = None  # the next round, looking for its group (or formed)
         self.error: Exception | None = None  # what the thread crashed with, if it did
         compute.on_round_due = self._wake.set
@@ -279,8 +281,13 @@ class ReplicaRounds:
             return self._failed(sums, count, version)
         late = not self.averager.group_formed(scheduled.control)
         t0 = time.perf_counter()
+        started, group = time.monotonic(), scheduled.group
         result = self.averager.finish(
-            scheduled.control, sums, count, timeout_s=self.timeout_s() + ALLREDUCE_MARGIN_S
+            scheduled.control,
+            sums,
+            count,
+            timeout_s=self.timeout_s() + ALLREDUCE_MARGIN_S,
+            abort=lambda: self._member_lost(group, started),
         )
         if result is None:
             return self._failed(sums, count, version)
@@ -322,6 +329,21 @@ class ReplicaRounds:
         if compute.replicas > 1 and (busy or compute.uncombined() > 0) and not self._stop.is_set():
             self._schedule()
         return stepped
+
+    def _member_lost(self, group: int, started: float) -> str | None:
+        """Why a waiting round of ``group`` replicas should be given up (note "lost member" in
+        peer/recount.py): fewer replicas counted than its group, by the announce tick or by a count this
+        slow round makes itself."""
+        live, now = self.compute.replicas, time.monotonic()
+        if live >= group and member_check_due(now - started, now - self._member_checked, self.round_s_ema):
+            self._member_checked = now
+            try:
+                live = max(1, int(self._replicas_fn()))
+            except Exception:  # noqa: BLE001 -- a DHT or network hiccup: keep waiting for the round
+                return None
+        if live >= group:
+            return None
+        return f"{live} live replica(s) of stage {self.compute.stage}, the round's group has {group}"
 
     def quiet_s(self) -> float:
         """No gradient for this long means our traffic stopped (note "quiet" in peer/compute.py): at

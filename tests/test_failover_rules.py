@@ -4,9 +4,11 @@ routes (swarm/train/routes.py, note "dead hold")."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from peer.recount import RECOUNT_DELAYS_S, Recount
+from peer.recount import MEMBER_CHECK_S, RECOUNT_DELAYS_S, Recount, member_check_due
 from swarm.client.liveness import LivenessConfig
 from swarm.dht.records import PeerRecord
 from swarm.train.config import TrainerConfig
@@ -133,3 +135,15 @@ def test_a_peer_found_dead_without_a_record_is_held_for_the_hold():
     routes.update([{A: record(A, 0)}, {B: record(B, 1), GONE: record(GONE, 1)}])
     assert GONE not in routes.routable(4.0)[1]
     assert GONE in routes.routable(5.0)[1]
+
+
+# ---------------------------------------------------------------------------------- lost member
+
+
+def test_a_round_counts_its_members_only_when_slow_and_not_too_often():
+    assert not member_check_due(1.0, math.inf, None)  # a normal wait: no DHT read
+    assert member_check_due(MEMBER_CHECK_S, math.inf, None)
+    assert not member_check_due(5.0, 1.0, None)  # counted a second ago
+    assert member_check_due(5.0, MEMBER_CHECK_S, None)
+    assert not member_check_due(5.0, math.inf, 2.0)  # rounds usually take 2 s: 6 s is slow
+    assert member_check_due(6.0, math.inf, 2.0)
