@@ -43,6 +43,9 @@ When no full group forms within ``timeout_s`` the taken gradients go back into t
 the round is retried. After ``max_failed_rounds`` failures in a row (a replica died and its record
 has not expired, or a partner stopped receiving micro-batches) the replica steps alone with what it
 holds (``solo_steps``); the others see the newer version in their next round and download it.
+A round that waits on a member that is gone (fewer replicas counted than its group, or a slow round's
+own count finds fewer) is given up at once instead of at hivemind's chunk timeout (note "lost member"
+in peer/recount.py); with one replica left the replica then steps alone with what it holds.
 With one online replica there are no rounds: the stage steps locally, as without replicas.
 """
 
