@@ -15,7 +15,9 @@ peer/announcements.py):
   A lone replica is the only donor a joiner of its stage can find, so without the hint it learnt of
   the joiner only on its next store, up to ``refresh_ticks`` ticks (15 s) later, while the joiner
   already counted two. After a hint the peer counts again ``delays_s`` apart (the joiner goes online
-  a moment after its download) until the count changes or the delays are used up;
+  a moment after its download) until the count changes or the delays are used up. A keeper's snapshot
+  download (at most every 180 s by default, swarm/tools/keeper.py) hints too and costs those few counts;
+  a run without downloads (every stage served by one peer from the start) counts no more than before;
 - while a gradient round waits for its all-reduce well past its usual length (note "lost member",
   ``member_check_due``): a member SIGKILLed mid-round otherwise holds the round, and with it the
   stage's step and every forward that waits for it, until hivemind's chunk timeout (10 s), even when
