@@ -11,7 +11,10 @@ peer/announcements.py):
 - on a tick that stores the record, and on every tick while more than one replica is counted (a
   replica that died must be found: this peer's rounds with it would fail);
 - after a *hint* that the stage changed: this peer served its state to another peer (a joiner
-  downloads from a live replica before it goes online; a lagging replica catches up the same way).
+  downloads from a live replica before it goes online; a lagging replica catches up the same way), or,
+  while it counts itself alone, a stage-mate counted it (the ``INFO`` call of ``_live_replicas``,
+  peer/handlers.py): two peers that join a stage at the same moment both start from the seed, and the
+  one that counted first saw itself alone.
   A lone replica is the only donor a joiner of its stage can find, so without the hint it learnt of
   the joiner only on its next store, up to ``refresh_ticks`` ticks (15 s) later, while the joiner
   already counted two. After a hint the peer counts again ``delays_s`` apart (the joiner goes online
@@ -64,14 +67,17 @@ class Recount:
         return stored or replicas > 1
 
     def hint(self, now: float) -> bool:
-        """The stage probably changed at ``now``: (re)start the counts after it. True when none was
-        pending (the caller starts the task that makes them); otherwise that task makes the new ones."""
-        idle = not self._due
-        at, self._due = now, []
+        """The stage probably changed at ``now``: schedule the counts after it, unless some are pending
+        (hints come in bursts: a joiner's INFO and its download; hints arriving faster than the first
+        delay must not keep postponing the counts). True when it scheduled them: the caller starts the
+        task that makes them."""
+        if self._due:
+            return False
+        at = now
         for delay in self.delays_s:
             at += delay
             self._due.append(at)
-        return idle
+        return True
 
     def next_at(self) -> float | None:
         """When the next count after a hint is due, or None when none is pending."""
