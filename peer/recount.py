@@ -24,8 +24,10 @@ peer/announcements.py):
 - while a gradient round waits for its all-reduce well past its usual length (note "lost member",
   ``member_check_due``): a member SIGKILLed mid-round otherwise holds the round, and with it the
   stage's step and every forward that waits for it, until hivemind's chunk timeout (10 s), even when
-  this peer's announce tick already counted one replica less. A round whose group is larger than the
-  replicas counted is given up at once (peer/replicas.py), the replica steps alone with its gradients.
+  this peer's announce tick already counted one replica less. When the tick counted fewer replicas than
+  the round's group, or the round is slow, the round counts them itself (at most every
+  ``MEMBER_CHECK_S``) and is given up when that count confirms fewer (peer/replicas.py); the replica then
+  steps alone with its gradients. One low count alone (an ``INFO`` that timed out under load) does not.
 """
 
 from __future__ import annotations

@@ -43,9 +43,10 @@ When no full group forms within ``timeout_s`` the taken gradients go back into t
 the round is retried. After ``max_failed_rounds`` failures in a row (a replica died and its record
 has not expired, or a partner stopped receiving micro-batches) the replica steps alone with what it
 holds (``solo_steps``); the others see the newer version in their next round and download it.
-A round that waits on a member that is gone (fewer replicas counted than its group, or a slow round's
-own count finds fewer) is given up at once instead of at hivemind's chunk timeout (note "lost member"
-in peer/recount.py); with one replica left the replica then steps alone with what it holds.
+A round that waits on a member that is gone (the announce tick counted fewer replicas than its group,
+or the round is slow, and a count of the round's own confirms fewer) is given up then instead of at
+hivemind's chunk timeout (note "lost member" in peer/recount.py); with one replica left the replica
+then steps alone with what it holds.
 With one online replica there are no rounds: the stage steps locally, as without replicas.
 """
 
@@ -63,7 +64,7 @@ import torch
 
 from peer.averaging import ALLREDUCE_MARGIN_S, StageAverager
 from peer.compute import StageCompute
-from peer.recount import member_check_due
+from peer.recount import MEMBER_CHECK_S, member_check_due
 
 __all__ = ["ReplicaRounds", "RoundsConfig", "round_outcome"]
 
@@ -335,15 +336,21 @@ class ReplicaRounds:
 
     def _member_lost(self, group: int, started: float) -> str | None:
         """Why a waiting round of ``group`` replicas should be given up (note "lost member" in
-        peer/recount.py): fewer replicas counted than its group, by the announce tick or by a count this
-        slow round makes itself."""
-        live, now = self.compute.replicas, time.monotonic()
-        if live >= group and member_check_due(now - started, now - self._member_checked, self.round_s_ema):
-            self._member_checked = now
-            try:
-                live = max(1, int(self._replicas_fn()))
-            except Exception:  # noqa: BLE001 -- a DHT or network hiccup: keep waiting for the round
-                return None
+        peer/recount.py): a count of its own finds fewer replicas than its group. It counts when the
+        announce tick already counted fewer, or when the round is slow; at most every ``MEMBER_CHECK_S``
+        (a count under load can miss a live replica whose INFO times out: one low count alone never
+        gives a healthy round up)."""
+        now = time.monotonic()
+        suspect = self.compute.replicas < group
+        if not (suspect or member_check_due(now - started, math.inf, self.round_s_ema)):
+            return None
+        if now - self._member_checked < MEMBER_CHECK_S:
+            return None
+        self._member_checked = now
+        try:
+            live = max(1, int(self._replicas_fn()))
+        except Exception:  # noqa: BLE001 -- a DHT or network hiccup: keep waiting for the round
+            return None
         if live >= group:
             return None
         return f"{live} live replica(s) of stage {self.compute.stage}, the round's group has {group}"
