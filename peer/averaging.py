@@ -36,6 +36,7 @@ averager class is per process too): several peers of one process serve the same 
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -44,6 +45,7 @@ import multiprocessing as mp
 import re
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, get_type_hints
 
@@ -54,6 +56,27 @@ __all__ = ["StageAverager", "averager_prefix"]
 logger = logging.getLogger(__name__)
 
 StateFn = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+class RoundAborted(Exception):
+    """A round given up while it waited, because a member is gone."""
+
+
+def _await_round(control: Any, timeout_s: float, abort: Callable[[], str | None] | None) -> Any:
+    """``control.result(timeout_s)``, asking ``abort`` every ``ABORT_POLL_S`` whether to give up."""
+    if abort is None:
+        return control.result(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return control.result(timeout=max(0.0, min(ABORT_POLL_S, left)))
+        except concurrent.futures.TimeoutError:
+            if left <= ABORT_POLL_S:
+                raise
+        why = abort()
+        if why:
+            raise RoundAborted(why)
 
 
 def averager_prefix(run_id: str, spec_hash: str, stage: int) -> str:
@@ -72,6 +95,7 @@ def _unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tenso
     return [part.reshape(shape).clone() for part, shape in zip(flat.split(sizes), shapes, strict=True)]
 
 
+ABORT_POLL_S = 0.25  # how often a waiting round asks whether to give up (``finish``)
 ALLREDUCE_MARGIN_S = 10.0  # a round's wait after its group search: the all-reduce (next_chunk_timeout)
 MAX_AUTHORIZED = 1024  # peer ids in the authorized set (a stage list of a run; more are not trusted)
 _DIGEST = 16
@@ -393,10 +417,18 @@ class StageAverager:
             control.cancel()
 
     def finish(
-        self, control: Any, sums: list[torch.Tensor], count: int, *, timeout_s: float
+        self,
+        control: Any,
+        sums: list[torch.Tensor],
+        count: int,
+        *,
+        timeout_s: float,
+        abort: Callable[[], str | None] | None = None,
     ) -> tuple[torch.Tensor, float, dict[str, Any]] | None:
         """Run the scheduled round with these gradient sums and micro-batch count: the same result as
-        :meth:`combine`. ``timeout_s`` bounds the wait from here (group search and all-reduce)."""
+        :meth:`combine`. ``timeout_s`` bounds the wait from here (group search and all-reduce);
+        ``abort``, polled every ``ABORT_POLL_S`` while it waits, gives the round up when it returns a
+        reason (a member is gone: note "lost member" in peer/recount.py)."""
         with self._lock:
             flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in sums])
             if flat.numel() != self.grad_numel:
@@ -410,7 +442,7 @@ class StageAverager:
                 if control.done():  # its search ended without a group; the caller schedules afresh
                     control.result()
                 control.allow_allreduce()
-                gathered = control.result(timeout=timeout_s)
+                gathered = _await_round(control, timeout_s, abort)
             except Exception as e:  # noqa: BLE001 -- routine, see combine
                 self.cancel(control)
                 self.rounds_failed += 1

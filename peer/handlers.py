@@ -117,6 +117,11 @@ class RequestHandlers:
             held = self._outbox.held(ids)
             stashed = [] if compute is None else [i for i in ids if i in compute.stash]
             return {**self._info(), "held": held, "stashed": stashed}
+        if "mb_ids" not in message.header and compute is not None and compute.replicas <= 1:
+            # a stage-mate counts its replicas (peer/loops.py, ``_ping``) while we count ourselves alone:
+            # count again (note "replica recount", peer/recount.py); not while we have stage-mates, whose
+            # ticks ping us anyway (and our counts would ping them back)
+            self._stage_hint()
         return self._info()
 
     def _info(self) -> dict[str, Any]:

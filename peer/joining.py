@@ -380,6 +380,7 @@ class StageJoining:
         compute = self._compute
         if compute is None or self.state not in ("online", "leaving"):
             raise RequestError("this peer holds no stage state to share yet")
+        self._stage_hint()  # a joiner (or a lagging replica) of this stage: count the replicas again soon
         return compute.export_state()
 
     def _as_checkpoint(self, compute: StageCompute) -> Checkpoint:

@@ -109,7 +109,10 @@ class Background:
             await self._announce()
             if self._averager is not None:  # the donor priority (a DHT store whenever it changes) with it
                 self._averager.share_state(True, priority=self.compute.version)
-        if stored or (self._compute is not None and self._compute.replicas > 1):
+        replicas = self._compute.replicas if self._compute is not None else 1
+        if self._recount.on_tick(
+            stored=stored, replicas=replicas
+        ):  # note "replica recount" (peer/recount.py)
             await self._refresh_replicas()
         if self.config.rebalancing:
             await self._maybe_move()
@@ -169,14 +172,46 @@ class Background:
             return False
         return info.get("stage") == stage and info.get("state") == "online"
 
-    async def _refresh_replicas(self) -> None:
+    async def _refresh_replicas(self) -> bool:
+        """Count the stage's live replicas and tell the compute; True when the count changed."""
         compute = self._compute
         if compute is None:
-            return
+            return False
         live = await self._live_replicas(compute.stage)
-        if live != compute.replicas:
+        changed = live != compute.replicas
+        if changed:
             logger.info("stage %d: %d live replica(s) now (was %d)", compute.stage, live, compute.replicas)
         await asyncio.to_thread(compute.set_replicas, live)
+        return changed
+
+    def _stage_hint(self) -> None:
+        """Another peer downloaded this peer's state (called from any thread): count the replicas again
+        soon, a joiner of this stage goes online a moment later (note "replica recount", peer/recount.py)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._start_recounts)
+
+    def _start_recounts(self) -> None:
+        if self._recount.hint(time.monotonic()):
+            self._tasks.spawn("replica recount", self._recounts())
+
+    async def _recounts(self) -> None:
+        """The counts due after a hint, until one finds a change (``Recount``)."""
+        try:
+            while (at := self._recount.next_at()) is not None:
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                if self.state != "online" or self._compute is None:
+                    break
+                try:
+                    changed = await self._refresh_replicas()
+                except (SwarmError, OSError) as e:
+                    logger.info("counting the replicas after a state download failed: %s", e)
+                    changed = False
+                self._recount.counted(time.monotonic(), changed=changed)
+        except BaseException:
+            self._recount.clear()  # a later hint starts the counts again
+            raise
+        self._recount.clear()
 
     def _start_rounds(self, compute: StageCompute) -> None:
         """Start the stage's gradient rounds (peer/replicas.py) and watch their thread."""

@@ -43,6 +43,10 @@ When no full group forms within ``timeout_s`` the taken gradients go back into t
 the round is retried. After ``max_failed_rounds`` failures in a row (a replica died and its record
 has not expired, or a partner stopped receiving micro-batches) the replica steps alone with what it
 holds (``solo_steps``); the others see the newer version in their next round and download it.
+A round that waits on a member that is gone (the announce tick counted fewer replicas than its group,
+or the round is slow, and a count of the round's own confirms fewer) is given up then instead of at
+hivemind's chunk timeout (note "lost member" in peer/recount.py); with one replica left the replica
+then steps alone with what it holds.
 With one online replica there are no rounds: the stage steps locally, as without replicas.
 """
 
@@ -60,6 +64,7 @@ import torch
 
 from peer.averaging import ALLREDUCE_MARGIN_S, StageAverager
 from peer.compute import StageCompute
+from peer.recount import MEMBER_CHECK_S, member_check_due
 
 __all__ = ["ReplicaRounds", "RoundsConfig", "round_outcome"]
 
@@ -172,6 +177,7 @@ class ReplicaRounds:
         self.last_round_size = 0
         self.round_s_ema: float | None = None  # seconds a completed round took (EMA)
         self._last_poll = -math.inf
+        self._member_checked = -math.inf  # the last count a slow round made (``_member_lost``)
         self._scheduled: _Scheduled | None = None  # the next round, looking for its group (or formed)
         self.error: Exception | None = None  # what the thread crashed with, if it did
         compute.on_round_due = self._wake.set
@@ -279,8 +285,13 @@ class ReplicaRounds:
             return self._failed(sums, count, version)
         late = not self.averager.group_formed(scheduled.control)
         t0 = time.perf_counter()
+        started, group = time.monotonic(), scheduled.group
         result = self.averager.finish(
-            scheduled.control, sums, count, timeout_s=self.timeout_s() + ALLREDUCE_MARGIN_S
+            scheduled.control,
+            sums,
+            count,
+            timeout_s=self.timeout_s() + ALLREDUCE_MARGIN_S,
+            abort=lambda: self._member_lost(group, started),
         )
         if result is None:
             return self._failed(sums, count, version)
@@ -322,6 +333,27 @@ class ReplicaRounds:
         if compute.replicas > 1 and (busy or compute.uncombined() > 0) and not self._stop.is_set():
             self._schedule()
         return stepped
+
+    def _member_lost(self, group: int, started: float) -> str | None:
+        """Why a waiting round of ``group`` replicas should be given up (note "lost member" in
+        peer/recount.py): a count of its own finds fewer replicas than its group. It counts when the
+        announce tick already counted fewer, or when the round is slow; at most every ``MEMBER_CHECK_S``
+        (a count under load can miss a live replica whose INFO times out: one low count alone never
+        gives a healthy round up)."""
+        now = time.monotonic()
+        suspect = self.compute.replicas < group
+        if not (suspect or member_check_due(now - started, math.inf, self.round_s_ema)):
+            return None
+        if now - self._member_checked < MEMBER_CHECK_S:
+            return None
+        self._member_checked = now
+        try:
+            live = max(1, int(self._replicas_fn()))
+        except Exception:  # noqa: BLE001 -- a DHT or network hiccup: keep waiting for the round
+            return None
+        if live >= group:
+            return None
+        return f"{live} live replica(s) of stage {self.compute.stage}, the round's group has {group}"
 
     def quiet_s(self) -> float:
         """No gradient for this long means our traffic stopped (note "quiet" in peer/compute.py): at

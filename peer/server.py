@@ -46,6 +46,7 @@ from peer.config import PeerConfig, resolve_device
 from peer.handlers import RequestHandlers
 from peer.joining import StageJoining
 from peer.loops import Background
+from peer.recount import Recount
 from peer.replicas import ReplicaRounds
 from peer.runtime import ComputeQueue
 from peer.sends import Outbox
@@ -101,6 +102,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rng = random.Random()
         self._announcements = AnnounceRule(config.announce_period_s)  # note "announce on change"
+        self._recount = Recount()  # note "replica recount"
         self._rounds: ReplicaRounds | None = None
         self._round_counters: dict[str, int] = dict.fromkeys(ReplicaRounds.COUNTERS, 0)  # of stages left
         self._switch_lock = asyncio.Lock()

@@ -97,6 +97,30 @@ def test_replicas_step_as_one_and_a_joiner_downloads_the_state():
     asyncio.run(main())
 
 
+def test_a_lone_replica_counts_a_joiner_without_waiting_for_its_announce_tick():
+    """Note "replica recount" (peer/recount.py): the donor of a joiner's state counts its stage again
+    right after the download. The announce ticks are a minute apart here (the first after 48 s), so only
+    that count can tell the lone replica it has a stage-mate within the wait below."""
+    spec = spec_for("recount", stages=1, accumulate=4)
+
+    async def main():
+        driver = Driver(spec)
+        peers: list[StagePeer] = []
+        try:
+            await driver.start()
+            await start_peers(driver, [peer_config(driver, 0, announce_period_s=60.0)], peers)
+            a = peers[0]
+            assert a.compute.replicas == 1
+            await start_peers(driver, [peer_config(driver, 0, announce_period_s=60.0)], peers)
+            b = peers[1]
+            assert b.loaded_from == "peer" and b.compute.replicas == 2  # b counted a when it joined
+            await until(lambda: a.compute.replicas == 2, 30, "the donor to count the joiner")
+        finally:
+            await stop_all(peers, driver)
+
+    asyncio.run(main())
+
+
 def test_a_replica_that_missed_a_round_catches_up_by_download():
     spec = spec_for("rep2", stages=1, accumulate=2)
 

@@ -60,8 +60,10 @@ class LivenessConfig:
     """A peer holding our micro-batches that was not heard from for this long is probed."""
     probe_every_s: float = 0.25
     """How often the trainer looks for peers to probe and attempts to check."""
-    dead_hold_s: float = 15.0
-    """A peer found dead is kept out of routes this long (its DHT record outlives it by up to its TTL)."""
+    dead_hold_s: float = 45.0
+    """A peer found dead is kept out of routes this long: its DHT record outlives it by up to its TTL, 45 s
+    for a stage peer's record (3 refreshes of 15 s, note "announce on change" in peer/announcements.py);
+    with 15 s here a SIGKILLed peer was routed to, and failed, again and again until its record expired."""
     probe_timeout_s: float = 2.0
     """Timeout of one probe; ``max_misses`` timeouts in a row count as a dead peer."""
     max_misses: int = 2

@@ -170,7 +170,7 @@ class Failures:
     def peer_dead(self, peer: str, reason: Failure, detail: str) -> None:
         """``peer`` is gone: close every attempt through it at once and keep it out of routes."""
         now = self.clock()
-        self.routes.dead[peer] = now
+        self.routes.found_dead(peer, now)
         through = [a for a in self.ledger.inflight_attempts() if peer in a.route]
         self.detected.append({"peer": peer, "time": now, "reason": reason.value, "attempts": len(through)})
         self.event("peer_dead", peer=peer, reason=reason.value, attempts=len(through), detail=detail[:200])

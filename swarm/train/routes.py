@@ -47,7 +47,8 @@ class Routes:
         self.say = say
         self.event = event
         self.stages: list[dict[str, PeerRecord]] = [{} for _ in range(spec.num_stages)]
-        self.dead: dict[str, float] = {}  # peer found dead -> when (kept out of routes for dead_hold_s)
+        self.dead: dict[str, float] = {}  # peer found dead -> when (note "dead hold": ``found_dead``)
+        self._dead_records: dict[str, PeerRecord | None] = {}  # its record when it was found dead
         self.max_per_peer: list[int | None] = [None] * spec.num_stages  # recomputed at every refresh
         self.cap_noted = False
         self.waiting_since: float | None = None
@@ -85,14 +86,28 @@ class Routes:
                 out.append(pid)
         return out
 
+    def found_dead(self, peer: str, now: float) -> None:
+        """Keep ``peer`` out of routes (note "dead hold"): for ``liveness.dead_hold_s`` (the lifetime of
+        the record a dead peer leaves behind), or until its record changes: a dead peer cannot store one,
+        a peer that restarted with the same identity (or was only unreachable) stores a new one."""
+        self.dead[peer] = now
+        self._dead_records[peer] = next((st[peer] for st in self.stages if peer in st), None)
+
     def routable(self, now: float) -> list[dict[str, PeerRecord]]:
-        """The stage records without the peers found dead within ``dead_hold_s``."""
+        """The stage records without the peers held as dead (``found_dead``)."""
         hold = self.config.liveness.dead_hold_s
-        for pid in [p for p, t in self.dead.items() if now - t >= hold]:
+        for pid in [p for p, t in self.dead.items() if now - t >= hold or self._came_back(p)]:
             del self.dead[pid]
+            self._dead_records.pop(pid, None)
         if not self.dead:
             return self.stages
         return [{p: r for p, r in recs.items() if p not in self.dead} for recs in self.stages]
+
+    def _came_back(self, peer: str) -> bool:
+        """Whether ``peer``'s record differs from the one it had when it was found dead."""
+        then = self._dead_records.get(peer)
+        now = next((st[peer] for st in self.stages if peer in st), None)
+        return then is not None and now is not None and now != then
 
     def unavailable(self, e: NoPeersError, now: float) -> None:
         """No route: say how to start a peer (every 30 s); give up after ``stage_wait_s``."""
