@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -133,8 +134,10 @@ class RequestHandlers:
 
     async def _on_forward(self, message: Message, remote: Any) -> dict[str, Any]:
         """A FORWARD is validated here, completely, before it is queued (docs/ARCHITECTURE.md)."""
+        arrived = time.time()
         try:
             h = ForwardHeader.from_wire(message.header)
+            self.timeline.mark(h.mb_id, "forward", "arrived", at=arrived)  # note "timeline"
             compute = self._check_forward(h)
             tokens, targets, x = await self._forward_inputs(compute, h, message.payload)
             if h.mode == "train" and h.mb_id in compute.stash:
@@ -192,16 +195,30 @@ class RequestHandlers:
 
     def _queue_task(self, kind: str, mb_id: str, remote: Any, fn: Callable[[float], None]) -> int:
         """Admit a validated request into the compute queue; its micro-batch is held from now on."""
+        timeline = self.timeline
+
+        def timed(waited: float) -> None:  # note "timeline": when the worker ran it
+            timeline.mark(mb_id, kind, "started")
+            try:
+                fn(waited)
+            finally:
+                timeline.mark(mb_id, kind, "ended")
+
         self._outbox.hold(mb_id)
         try:
-            return self._admission.submit(kind, str(remote), fn)
+            at = time.time()  # before the worker can start it
+            n = self._admission.submit(kind, str(remote), timed)
+            timeline.mark(mb_id, kind, "queued", at=at)
+            return n
         except RequestError:
             self._outbox.unhold(mb_id)
             raise
 
     async def _on_backward(self, message: Message, remote: Any) -> dict[str, Any]:
+        arrived = time.time()
         try:
             h = BackwardHeader.from_wire(message.header)
+            self.timeline.mark(h.mb_id, "backward", "arrived", at=arrived)
             compute = self._check_common(h.run_id, h.spec_hash, h.stage, "backward")
             entry = compute.peek(h.mb_id)
             fwd: ForwardHeader = entry.context
