@@ -10,6 +10,9 @@ Input: the events of every stage peer of a run (note "timeline" in peer/timeline
   yet); plus the time passes spent queued behind another pass (a latency, not idle time).
 - :func:`hops`: per hop, the seconds from the end of a task to the next stage's arrival, split into
   the hand-off to the event loop and the send itself.
+- ``core_share`` (per stage) and ``compute_cpu_cores``: the worker threads' CPU seconds over their
+  running time and over the window, from the CPU times at ``started``/``ended``; a running task whose
+  share is below 1 waited for a core (other stages, or other processes, held it).
 - :func:`cores`: the machine's view. All stage peers share ``n_cores`` cores, so what matters is how
   many tasks run at once: with fewer than ``n_cores`` running a core is idle, and each such instant is
   attributed to where the micro-batches in flight were meanwhile (queued behind a running pass on the
@@ -41,6 +44,14 @@ class Pass:
     ended: float | None = None
     sending: float | None = None
     sent: float | None = None
+    cpu_s: float | None = None  # the worker thread's CPU seconds from started to ended
+
+    @property
+    def core_share(self) -> float | None:
+        """CPU over wall time while it ran: the share of a core it had (below 1: it shared a core)."""
+        if self.cpu_s is None or not self.ran or self.ended <= self.started:  # type: ignore[operator]
+            return None
+        return self.cpu_s / (self.ended - self.started)  # type: ignore[operator]
 
     @property
     def ran(self) -> bool:
@@ -52,16 +63,25 @@ class Pass:
         return next((t for t in (self.queued, self.arrived, self.started) if t is not None), None)
 
 
+EVENT_FIELDS = ("arrived", "queued", "started", "ended", "sending", "sent")
+
+
 def build_passes(events: Iterable[dict[str, Any]]) -> list[Pass]:
     """Group timeline events (dicts with ``t``, ``mb``, ``pass``, ``event``, ``stage``) into passes;
     a repeated event keeps its first time."""
     out: dict[tuple[int, str, str], Pass] = {}
+    cpu: dict[tuple[int, str, str], dict[str, float]] = defaultdict(dict)
     for e in events:
         key = (int(e["stage"]), str(e["mb"]), str(e["pass"]))
         p = out.get(key) or out.setdefault(key, Pass(*key))
         name = str(e["event"])
-        if hasattr(p, name) and name not in ("stage", "mb", "kind") and getattr(p, name) is None:
+        if name in EVENT_FIELDS and getattr(p, name) is None:
             setattr(p, name, float(e["t"]))
+            if e.get("cpu") is not None:
+                cpu[key].setdefault(name, float(e["cpu"]))
+    for key, c in cpu.items():
+        if "started" in c and "ended" in c:
+            out[key].cpu_s = max(0.0, c["ended"] - c["started"])
     return sorted(out.values(), key=lambda p: (p.started or p.ready or 0.0, p.stage))
 
 
@@ -97,11 +117,14 @@ def stage_table(passes: Sequence[Pass], window: tuple[float, float]) -> dict[int
     for stage, tasks in sorted(by_stage.items()):
         tasks.sort(key=lambda p: p.started)  # type: ignore[arg-type,return-value]
         row = defaultdict(float)
-        behind, n_in = 0.0, 0
+        behind, n_in, cpu, wall = 0.0, 0, 0.0, 0.0
         for i, b in enumerate(tasks):
             row["busy"] += _clip(b.started, b.ended, lo, hi)  # type: ignore[arg-type]
             if lo <= b.started < hi:  # type: ignore[operator]
                 n_in += 1
+                if b.cpu_s is not None:
+                    cpu += b.cpu_s
+                    wall += b.ended - b.started  # type: ignore[operator]
                 if i > 0 and b.queued is not None:
                     behind += max(0.0, min(b.started, tasks[i - 1].ended) - b.queued)  # type: ignore[arg-type,type-var]
             if i == 0:
@@ -126,6 +149,8 @@ def stage_table(passes: Sequence[Pass], window: tuple[float, float]) -> dict[int
         out[stage]["idle"] = 1.0 - out[stage]["busy"]
         out[stage]["queued_behind_s"] = behind / max(1, n_in)
         out[stage]["tasks"] = float(n_in)
+        if wall > 0:
+            out[stage]["core_share"] = cpu / wall  # CPU per wall second while it ran
     return out
 
 
@@ -222,9 +247,12 @@ def cores(
     }
     hist = {str(k): float((running == k).mean()) for k in range(len(stages) + 1)}
     sel = idle if idle.any() else np.ones(n, bool)
+    inside = [p for p in passes if p.ran and p.cpu_s is not None and lo <= p.started < hi]  # type: ignore[operator]
     return {
         "n_cores": n_cores,
         "busy_cores": float(np.minimum(running, n_cores).mean()),
+        # the compute threads' CPU per second: below busy_cores when running tasks shared cores
+        "compute_cpu_cores": sum(p.cpu_s for p in inside) / (hi - lo) if inside else None,  # type: ignore[misc]
         "running_hist": hist,
         "core_idle_share": frac_idle,
         "idle_causes": cause,

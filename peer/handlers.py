@@ -198,11 +198,11 @@ class RequestHandlers:
         timeline = self.timeline
 
         def timed(waited: float) -> None:  # note "timeline": when the worker ran it
-            timeline.mark(mb_id, kind, "started")
+            timeline.mark(mb_id, kind, "started", cpu=time.thread_time())
             try:
                 fn(waited)
             finally:
-                timeline.mark(mb_id, kind, "ended")
+                timeline.mark(mb_id, kind, "ended", cpu=time.thread_time())
 
         self._outbox.hold(mb_id)
         try:

@@ -9,7 +9,8 @@ wall clock (``time.time()``, so the timelines of the peers of one machine line u
 - ``queued``: it was validated, decoded and handed to the compute queue;
 - ``started`` / ``ended``: the worker thread ran it (forward: the stage's forward and the encoding of
   its output; the last stage's forward task also runs the loss and the backward; backward: the
-  backward and the encoding of the input gradient);
+  backward and the encoding of the input gradient), with the worker thread's CPU seconds at both
+  (a task's CPU over its wall time: how much of a core it had while it ran);
 - ``sending`` / ``sent``: the event loop began the send to the next hop, and the next hop
   acknowledged it (stage 0's backward: its ``done`` report was delivered to the trainer).
 
@@ -40,23 +41,31 @@ class Timeline:
     def __init__(self, max_events: int = 400_000):
         if max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {max_events}")
-        self._events: deque[tuple[float, str, str, str]] = deque(maxlen=max_events)
+        self._events: deque[tuple[float, str, str, str, float | None]] = deque(maxlen=max_events)
         self.stage = -1  # the stage served; set by the peer when it joins one
 
-    def mark(self, mb_id: str, kind: str, event: str, at: float | None = None) -> None:
+    def mark(
+        self, mb_id: str, kind: str, event: str, at: float | None = None, cpu: float | None = None
+    ) -> None:
         """``event`` of micro-batch ``mb_id``'s ``kind`` pass (``forward`` or ``backward``), now or
-        ``at`` (a ``time.time()`` taken earlier). Any thread."""
-        self._events.append((time.time() if at is None else at, mb_id, kind, event))
+        ``at`` (a ``time.time()`` taken earlier); ``cpu``: the calling thread's CPU seconds then
+        (``time.thread_time()``, given at ``started``/``ended``). Any thread."""
+        self._events.append((time.time() if at is None else at, mb_id, kind, event, cpu))
 
     def __len__(self) -> int:
         return len(self._events)
 
     def records(self) -> list[dict[str, Any]]:
-        """The events so far as dicts (``t``, ``mb``, ``pass``, ``event``, ``stage``), oldest first."""
+        """The events so far as dicts (``t``, ``mb``, ``pass``, ``event``, ``stage``, and ``cpu`` where
+        known), oldest first."""
         stage = self.stage
-        return [
-            {"t": t, "mb": mb, "pass": k, "event": e, "stage": stage} for t, mb, k, e in list(self._events)
-        ]
+        out = []
+        for t, mb, k, e, cpu in list(self._events):
+            r: dict[str, Any] = {"t": t, "mb": mb, "pass": k, "event": e, "stage": stage}
+            if cpu is not None:
+                r["cpu"] = cpu
+            out.append(r)
+        return out
 
     def write(self, path: str | os.PathLike[str], *, peer: str = "") -> int:
         """Write the events as JSON lines (a first line names the peer and stage); the count written."""

@@ -119,3 +119,16 @@ def test_steady_window_skips_start_and_drain():
     assert steady_window(passes, skip_first=3, skip_last=2) == (3.0, 17.0)
     with pytest.raises(ValueError, match="run more micro-batches"):
         steady_window(passes[:5], skip_first=3, skip_last=2)
+
+
+def test_cpu_times_give_each_task_its_share_of_a_core():
+    ev = _events(1, "m", "forward", queued=0.0, started=1.0, ended=3.0)
+    ev[1]["cpu"], ev[2]["cpu"] = 10.0, 11.0  # 1 CPU second in 2 wall seconds
+    (p,) = build_passes(ev)
+    assert p.cpu_s == pytest.approx(1.0) and p.core_share == pytest.approx(0.5)
+    assert stage_table([p], (0.0, 4.0))[1]["core_share"] == pytest.approx(0.5)
+    assert cores([p], (0.0, 4.0), n_cores=2)["compute_cpu_cores"] == pytest.approx(0.25)
+    tl = Timeline()
+    tl.mark("m", "forward", "started", at=1.0, cpu=10.0)
+    tl.mark("m", "forward", "queued", at=0.5)
+    assert [r.get("cpu") for r in tl.records()] == [10.0, None]
