@@ -169,9 +169,12 @@ def hops(passes: Sequence[Pass], window: tuple[float, float]) -> dict[str, dict[
         if nxt is None and p.kind == "forward":  # the last stage's forward task ran the backward too
             nxt = index.get((p.stage - 1, p.mb, "backward"))
             nxt_stage = p.stage - 1
-        if nxt is None or nxt.arrived is None or p.sending is None:
+        sending = p.sending
+        if sending is None and p.kind == "forward" and (own := index.get((p.stage, p.mb, "backward"))):
+            sending = own.sending  # the last stage's gradient send is marked under its backward pass
+        if nxt is None or nxt.arrived is None or sending is None:
             continue
-        acc[f"{p.stage}->{nxt_stage}"].append((p.sending - p.ended, nxt.arrived - p.sending))  # type: ignore[operator]
+        acc[f"{p.stage}->{nxt_stage}"].append((sending - p.ended, nxt.arrived - sending))  # type: ignore[operator]
     out = {}
     for k, v in sorted(acc.items()):
         a = np.asarray(v)

@@ -85,7 +85,8 @@ def test_stage_zero_waits_for_the_trainer_and_backwards_for_a_gradient():
 def test_hops_split_the_hand_off_to_the_loop_from_the_send():
     passes = [
         Pass(0, "a", "forward", started=0.0, ended=1.0, sending=1.1),
-        Pass(1, "a", "forward", arrived=1.4, started=1.5, ended=2.0, sending=2.0),  # last stage: fwd+bwd
+        Pass(1, "a", "forward", arrived=1.4, started=1.5, ended=2.0),  # the last stage: fwd+bwd
+        Pass(1, "a", "backward", sending=2.0),  # its gradient's send
         Pass(0, "a", "backward", arrived=2.3, started=2.5, ended=3.0),
     ]
     h = hops(passes, (0.0, 10.0))
