@@ -5,6 +5,7 @@ Run (from the repository root; loopback, no root needed)::
     python -m benchmarks.timeline                      # bench model, 72 micro-batches, swarm + 1F1B, ~4 min
     python -m benchmarks.timeline --reps 2 --tag after # two of each, results/timeline_after.json
     python -m benchmarks.timeline --analyze DIR        # only analyse the peer*.jsonl timelines in DIR
+    python -m benchmarks.timeline --render             # BENCHMARKS.md "Where the cycles go" from the JSON
 
 Each stage peer records its timeline (note "timeline" in peer/timeline.py) and writes it at shutdown
 (``swarm peer --timeline FILE``); ``benchmarks/timeline_analysis.py`` turns the files into per-stage busy
@@ -135,7 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-pipelining", action="store_true", help="swarm runs only")
     p.add_argument("--trainer-args", default="", help="more swarm train flags, e.g. '--fixed-inflight'")
     p.add_argument("--analyze", type=Path, default=None, help="analyse the timelines in this directory")
+    p.add_argument(
+        "--render", action="store_true", help="rewrite BENCHMARKS.md 'Where the cycles go' from the JSON"
+    )
     args = p.parse_args(argv)
+    if args.render:
+        from benchmarks import overhead
+
+        return overhead.main(["--render"])
     n_cores = os.cpu_count() or 1
     if args.analyze is not None:
         analysis, _ = analyse_dir(args.analyze, n_cores)
@@ -177,3 +185,118 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ------------------------------------------------------------------------------ report
+
+LABELS = {"base": "before", "after": "after"}
+"""The result files (``results/timeline_<tag>.json``) the BENCHMARKS.md block shows, and their names."""
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def markdown_block(reports: dict[str, dict[str, Any]], reading: str = "") -> str:
+    """The "Idle time" block of BENCHMARKS.md "Where the cycles go" from timeline reports by label
+    (means over each report's runs)."""
+    lines = [
+        "### Idle time: per-micro-batch timelines",
+        "",
+        "`python -m benchmarks.timeline --reps 2 --tag TAG` (loopback, `examples/bench.yaml`, blockwise8 async, "
+        '1 peer per stage, 72 micro-batches; note "timeline" in `peer/timeline.py`). Steady state: from '
+        "stage 0's 9th forward to its 9th from the end. Means over the runs of each row.",
+        "",
+        "| | swarm tokens/s | 1F1B tokens/s | swarm / 1F1B | swarm cores busy (tasks running) | swarm compute CPU, cores | "
+        "1F1B CPU, cores | a core idle | of that: stacked / between stages / both / too few in flight | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, rep in reports.items():
+        runs = rep["runs"]
+        s_tps = _mean([r["swarm"]["tokens_per_s"] for r in runs])
+        p_tps = _mean([(r.get("pipelining") or {}).get("tokens_per_s") for r in runs])
+        ratio = _mean(
+            [
+                r["swarm"]["tokens_per_s"] / r["pipelining"]["tokens_per_s"]
+                for r in runs
+                if r.get("pipelining") and r["pipelining"].get("tokens_per_s") and r["swarm"]["tokens_per_s"]
+            ]
+        )
+        c = [r["swarm"]["cores"] for r in runs]
+        causes = ("stacked", "between stages", "both", "too few in flight")
+        cause = " / ".join(_pct(_mean([x["idle_causes"][k] for x in c])) for k in causes)
+        loads = ", ".join(f"{r['load_start'][0]:.1f}" for r in runs)
+        lines.append(
+            f"| {label} ({len(runs)} runs) | {_num(s_tps)} | {_num(p_tps)} | {_num(ratio, 2)} | "
+            f"{_num(_mean([x['busy_cores'] for x in c]), 2)} | {_num(_mean([x.get('compute_cpu_cores') for x in c]), 2)} | "
+            f"{_num(_mean([(r.get('pipelining') or {}).get('busy_cores') for r in runs]), 2)} | "
+            f"{_pct(_mean([x['core_idle_share'] for x in c]))} | {cause} | {loads} |"
+        )
+    lines += [
+        "",
+        "Per stage (share of the steady window; idle split by what the stage waited for; core share = the "
+        "worker's CPU over its running time; queued behind = mean wait of a task while another ran):",
+        "",
+        "| | stage | busy | core share | waiting for input | waiting for a gradient | receiving | hand-off | "
+        "queued behind, ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, rep in reports.items():
+        runs = rep["runs"]
+        for st in sorted(runs[0]["swarm"]["stages"], key=int):
+            rows = [r["swarm"]["stages"][st] for r in runs if st in r["swarm"]["stages"]]
+
+            def m(key: str, rows: list[dict[str, float]] = rows) -> float | None:
+                return _mean([x.get(key, 0.0) for x in rows])
+
+            inp = _mean(
+                [x.get("waiting for the trainer", 0.0) + x.get("waiting for activations", 0.0) for x in rows]
+            )
+            behind = m("queued_behind_s")
+            lines.append(
+                f"| {label} | {st} | {_pct(m('busy'))} | {_pct(_mean([x.get('core_share') for x in rows]))} | "
+                f"{_pct(inp)} | {_pct(m('waiting for a gradient'))} | {_pct(m('receiving (validate, decode)'))} | "
+                f"{_pct(m('worker hand-off'))} | {_num(None if behind is None else 1000 * behind)} |"
+            )
+    lines += [
+        "",
+        "Hops (mean ms from a task's end: to the event loop's send, then to the next stage's arrival):",
+        "",
+    ]
+    hop_names = sorted({h for rep in reports.values() for r in rep["runs"] for h in r["swarm"]["hops"]})
+    lines += ["| | " + " | ".join(hop_names) + " |", "|---|" + "---|" * len(hop_names)]
+    for label, rep in reports.items():
+        cells = []
+        for h in hop_names:
+            xs = [r["swarm"]["hops"][h] for r in rep["runs"] if h in r["swarm"]["hops"]]
+            a, b = _mean([x["to_loop_s"] for x in xs]), _mean([x["send_s"] for x in xs])
+            cells.append("-" if a is None or b is None else f"{1000 * a:.1f} + {1000 * b:.1f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if reading:
+        lines += ["", reading.rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def _num(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def section_block(results: Path = RESULTS) -> str:
+    """The block from the result files that exist (empty if none), with ``timeline_reading.md``."""
+    reports = {}
+    for tag, label in LABELS.items():
+        path = results / f"timeline_{tag}.json"
+        if path.exists():
+            reports[label] = json.loads(path.read_text())
+    if not reports:
+        return ""
+    reading = results / "timeline_reading.md"
+    block = markdown_block(reports, reading.read_text() if reading.exists() else "")
+    gantt_png = [f"timeline_{t}.png" for t in LABELS if (results / f"timeline_{t}.png").exists()]
+    pics = "\n\n".join(f"![{p}](benchmarks/results/{p})" for p in gantt_png)
+    return block + ("\n" + pics + "\n" if pics else "")

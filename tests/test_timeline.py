@@ -133,3 +133,32 @@ def test_cpu_times_give_each_task_its_share_of_a_core():
     tl.mark("m", "forward", "started", at=1.0, cpu=10.0)
     tl.mark("m", "forward", "queued", at=0.5)
     assert [r.get("cpu") for r in tl.records()] == [10.0, None]
+
+
+def test_the_markdown_block_shows_runs_stages_and_hops():
+    from benchmarks.timeline import markdown_block
+
+    stage = {"busy": 0.8, "core_share": 0.9, "waiting for activations": 0.1, "queued_behind_s": 0.02}
+    swarm = {
+        "tokens_per_s": 900.0,
+        "stages": {"0": stage, "1": stage},
+        "hops": {"0->1": {"to_loop_s": 0.001, "send_s": 0.004, "hop_s": 0.005, "n": 3}},
+        "cores": {
+            "busy_cores": 1.8,
+            "compute_cpu_cores": 1.7,
+            "core_idle_share": 0.2,
+            "idle_causes": {"stacked": 0.1, "between stages": 0.05, "both": 0.05, "too few in flight": 0.0},
+        },
+    }
+    run = {
+        "swarm": swarm,
+        "pipelining": {"tokens_per_s": 1000.0, "busy_cores": 1.95},
+        "load_start": [2.0, 1, 1],
+    }
+    text = markdown_block({"before": {"runs": [run, run]}}, reading="**Reading.**")
+    assert (
+        "| before (2 runs) | 900 | 1000 | 0.90 | 1.80 | 1.70 | 1.95 | 20% | 10% / 5% / 5% / 0% | 2.0, 2.0 |"
+        in text
+    )
+    assert "| before | 1 | 80% | 90% | 10% | 0% | 0% | 0% | 20 |" in text
+    assert "| before | 1.0 + 4.0 |" in text and text.rstrip().endswith("**Reading.**")
