@@ -109,6 +109,7 @@ def run_once(
     with LoopbackLab(["boot", "trainer", *nodes["stages"]]) as lab:
         if swarm:
             tl = work / "timelines"
+            (work / "swarm").mkdir(parents=True, exist_ok=True)
             job = Job(
                 kind="swarm", codec="blockwise8", mode="async", micro_batches=mb, purposes=("throughput",)
             )

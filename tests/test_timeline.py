@@ -162,3 +162,38 @@ def test_the_markdown_block_shows_runs_stages_and_hops():
     )
     assert "| before | 1 | 80% | 90% | 10% | 0% | 0% | 0% | 20 |" in text
     assert "| before | 1.0 + 4.0 |" in text and text.rstrip().endswith("**Reading.**")
+
+
+@pytest.mark.slow
+def test_timeline_benchmark_smoke(tmp_path):
+    """A tiny swarm with timelines and a tiny 1F1B on loopback: the analysis and the chart come out."""
+    from benchmarks.links import LinksConfig
+    from benchmarks.timeline import gantt, run_once
+    from swarm.run.spec import RunSpec
+    from tests.test_bench_smoke import TINY
+
+    spec = tmp_path / "tiny.json"
+    spec.write_bytes(RunSpec.from_dict(TINY).canonical_bytes())
+    cfg = LinksConfig(
+        spec_path=str(spec),
+        rates=("none",),
+        accumulate=2,
+        throughput_mb=24,
+        warmup_mb=2,
+        pipe_n_micro=2,
+        max_inflight=4,
+        loopback=True,
+        data_bytes=100_000,
+        start_timeout_s=120,
+        run_timeout_s=120,
+    )
+    r = run_once(cfg, tmp_path / "work", swarm=True, pipelining=True, mb=24)
+    passes = r.pop("_passes")
+    s = r["swarm"]
+    assert s["tokens_per_s"] > 0 and set(s["stages"]) == {"0", "1"}
+    assert all(0 < row["busy"] <= 1 for row in s["stages"].values())
+    assert 0 < s["cores"]["busy_cores"] <= 2 and s["cores"]["compute_cpu_cores"] > 0
+    assert set(s["hops"]) == {"0->1", "1->0"}
+    assert r["pipelining"]["tokens_per_s"] > 0 and r["pipelining"]["busy_cores"] > 0
+    gantt(passes, tuple(s["window"]), tmp_path / "g.png")
+    assert (tmp_path / "g.png").stat().st_size > 1000
