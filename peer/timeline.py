@@ -14,8 +14,8 @@ wall clock (``time.time()``, so the timelines of the peers of one machine line u
 - ``sending`` / ``sent``: the event loop began the send to the next hop, and the next hop
   acknowledged it (stage 0's backward: its ``done`` report was delivered to the trainer).
 
-An event is a tuple appended to a bounded deque (thread-safe in CPython, well under a microsecond),
-so the timeline is always on; ``swarm peer --timeline FILE`` writes it as JSON lines at shutdown, and
+An event is a tuple appended to a bounded deque (thread-safe in CPython; 1-8 µs a mark measured here,
+the newest 50,000 events, about 6 MB, some minutes of a busy peer), so the timeline is always on; ``swarm peer --timeline FILE`` writes it as JSON lines at shutdown, and
 ``benchmarks/timeline.py`` turns the files of one run into busy fractions, idle gaps by cause and a
 Gantt chart.
 """
@@ -38,7 +38,7 @@ EVENTS = ("arrived", "queued", "started", "ended", "sending", "sent")
 class Timeline:
     """The bounded in-memory event log of one peer (note "timeline")."""
 
-    def __init__(self, max_events: int = 400_000):
+    def __init__(self, max_events: int = 50_000):
         if max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {max_events}")
         self._events: deque[tuple[float, str, str, str, float | None]] = deque(maxlen=max_events)
