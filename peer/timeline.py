@@ -14,10 +14,11 @@ wall clock (``time.time()``, so the timelines of the peers of one machine line u
 - ``sending`` / ``sent``: the event loop began the send to the next hop, and the next hop
   acknowledged it (stage 0's backward: its ``done`` report was delivered to the trainer).
 
-An event is a tuple appended to a bounded deque (thread-safe in CPython; 1-8 µs a mark measured here,
-the newest 50,000 events, about 6 MB, some minutes of a busy peer), so the timeline is always on; ``swarm peer --timeline FILE`` writes it as JSON lines at shutdown, and
-``benchmarks/timeline.py`` turns the files of one run into busy fractions, idle gaps by cause and a
-Gantt chart.
+An event is a tuple appended to a bounded deque (thread-safe in CPython; 1-8 us a mark measured
+here, against tasks of tens of milliseconds; the newest 50,000 events are kept, 6.5 MiB, some
+minutes of a busy peer), so the timeline is always on. ``swarm peer --timeline FILE`` writes it as
+JSON lines at shutdown, and ``benchmarks/timeline.py`` turns the files of one run into busy
+fractions, idle gaps by cause and a Gantt chart.
 """
 
 from __future__ import annotations
