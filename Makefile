@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup test test-fast test-integration browser demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick bench-bubbles bench-control-plane bench-overhead bench-time-to-target bench-time-to-target-quick gpu-check clean
+.PHONY: setup test test-fast test-integration browser demo lint bench bench-links bench-links-quick bench-convergence bench-convergence-quick bench-bubbles bench-control-plane bench-overhead bench-timeline bench-time-to-target bench-time-to-target-quick gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ bench-control-plane: setup
 # Where the cycles go: CPU per 1,000 tokens by process and thread, swarm vs 1F1B (loopback; py-spy optional).
 bench-overhead: setup
 	$(BIN)/python -m benchmarks.overhead --spy
+
+# Where the idle time is: per-micro-batch timelines of the stage peers, swarm vs 1F1B (loopback).
+bench-timeline: setup
+	$(BIN)/python -m benchmarks.timeline --reps 2 --tag after
 
 # Measured time to a target held-out loss, 1F1B vs the swarm, at 100 and 20 Mbit/s (root, like bench-links).
 bench-time-to-target: setup

@@ -505,6 +505,8 @@ def run_swarm(
     eval_every: int | None = None,
     eval_batches: int | None = None,
     stop_when: Callable[[list[dict[str, Any]]], bool] | None = None,
+    timeline_dir: Path | None = None,
+    trainer_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """One swarm run in ``lab``: its spec published by ``swarm init``, one peer per stage, one trainer.
 
@@ -522,7 +524,9 @@ def run_swarm(
     ``eval_batches`` micro-batches (None: its default). ``stop_when(records)`` is asked every half
     second with the trainer's metrics.jsonl records so far; once it is true the trainer gets SIGTERM (it
     stops like Ctrl-C: drops what is in flight, writes its summary) and the run ends there
-    (``result["stopped_early"]``).
+    (``result["stopped_early"]``). With ``timeline_dir`` every peer writes its timeline there
+    (``peer<i>.jsonl``, note "timeline" in peer/timeline.py; read by benchmarks/timeline.py).
+    ``trainer_args`` go to ``swarm train`` after the others (e.g. ``--fixed-inflight``).
     """
     sub = f"-ss{job.subspace}" if job.subspace else ""
     run_id = f"links-{job.codec.split(':')[0]}{sub}-{job.mode}-{job.rate}-{os.getpid()}"
@@ -588,6 +592,7 @@ def run_swarm(
                     "--throughput",
                     "1000",
                     "--no-rebalance",
+                    *(["--timeline", str(timeline_dir / f"peer{i}.jsonl")] if timeline_dir else []),
                 ],
                 f"peer{i}",
             )
@@ -619,6 +624,7 @@ def run_swarm(
         ]
         if cfg.data_bytes is not None:
             train_argv += ["--max-data-bytes", str(cfg.data_bytes)]
+        train_argv += list(trainer_args)
         trainer, trainer_log = spawn(nodes["trainer"], train_argv, "trainer")
         for i, (proc, path) in enumerate(peers):
             _wait_for(path, _SERVING, proc, cfg.start_timeout_s, f"stage peer {i}")

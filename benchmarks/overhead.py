@@ -502,6 +502,11 @@ def markdown_section(report: dict[str, Any]) -> str:
             lines.append(f"| {peer} | " + " | ".join(f"{100 * d.get(k, 0.0):.1f}%" for k in kinds) + " |")
     if report.get("reading"):
         lines += ["", report["reading"].rstrip()]
+    from benchmarks.timeline import section_block  # the idle-time block (benchmarks/timeline.py)
+
+    block = section_block()
+    if block:
+        lines += ["", block.rstrip()]
     return "\n".join(lines) + "\n"
 
 

@@ -213,6 +213,7 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
                 "time_s": te - ts,
                 "wall_s": te - t0,
                 "busy_s": module.busy_s,
+                "cpu_s": time.process_time(),  # this rank's CPU so far: busy fraction = CPU / wall
             }
             if losses:
                 rec["loss"] = float(torch.stack([x.detach().float() for x in losses]).mean())
@@ -360,6 +361,7 @@ def summarize(
         "device": cfg.device,
         "emulate_s": cfg.emulate_s,
         "utilisation": [utilisation(r["steps"], cfg.warmup_steps) for r in ranks],
+        "cpu_busy": [cpu_busy(r["steps"], cfg.warmup_steps) for r in ranks],
         "device_peak_mb": [
             r["device_peak_bytes"] / 2**20 if r.get("device_peak_bytes") else None for r in ranks
         ],
@@ -378,6 +380,18 @@ def summarize(
         "payload_bytes_per_token": 2 * (s - 1) * spec.model.d_model * 4,
         "wall_s": wall_s,
     }
+
+
+def cpu_busy(steps: list[dict[str, Any]], warmup_steps: int) -> float | None:
+    """A rank's CPU seconds per wall second over the steps after warm-up: the share of a core it kept
+    busy (gloo's waits sleep, so on cores shared by all ranks this is its compute, not its bubbles)."""
+    if len(steps) <= warmup_steps or "cpu_s" not in steps[-1]:
+        return None
+    before = steps[warmup_steps - 1] if warmup_steps else None
+    if before is None or "cpu_s" not in before:
+        return None
+    wall = steps[-1]["wall_s"] - before["wall_s"]
+    return (steps[-1]["cpu_s"] - before["cpu_s"]) / wall if wall > 0 else None
 
 
 def utilisation(steps: list[dict[str, Any]], warmup_steps: int) -> float | None:

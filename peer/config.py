@@ -71,6 +71,9 @@ class PeerConfig:
     """Benchmark knob (``benchmarks/bubbles.py``): (forward, backward) seconds a training micro-batch
     occupies the stage at least; after the real compute the peer sleeps the rest, CPU-free like a GPU
     (note "emulated compute" in peer/compute.py). None = real compute only. Not for real runs."""
+    timeline_path: str | None = None
+    """Write this peer's per-micro-batch timeline (note "timeline" in peer/timeline.py) to this file as
+    JSON lines when it stops; None = keep it in memory only. Read by ``benchmarks/timeline.py``."""
     max_queue: int = integer(64, lo=1, hint="Use e.g. 64.")
     """Compute tasks queued at most; more are refused with "busy, queue full" (backpressure)."""
     throughput: float | None = number(
@@ -157,6 +160,8 @@ class PeerConfig:
             )
         if self.checkpoint_dir is not None:
             set_(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
+        if self.timeline_path is not None:
+            set_(self, "timeline_path", os.fspath(self.timeline_path))
         if self.weights_dir is not None:
             if not os.path.isdir(self.weights_dir):
                 raise ConfigError(

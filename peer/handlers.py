@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -76,10 +78,14 @@ class RequestHandlers:
         if not tensor.is_floating_point():
             raise RequestError(f"{what} payload has dtype {tensor.dtype}; expected floating point")
         tensor = tensor.float()
-        if not torch.isfinite(tensor).all():
+        # One pass over the values (0.07 ms for a 2x256x512 activation, against 1.4 ms for isfinite
+        # and 0.2 for the square's mean): the 2-norm is NaN or Inf exactly when a value is, or when
+        # finite values overflow float32 in it, which the RMS cap refuses anyway.
+        norm = float(torch.linalg.vector_norm(tensor)) if tensor.numel() else 0.0
+        if not math.isfinite(norm) and not torch.isfinite(tensor).all():
             raise PoisonError(f"{what} payload holds NaN or Inf values; refusing it")
-        rms = float(tensor.pow(2).mean().sqrt()) if tensor.numel() else 0.0
-        if not rms <= max_rms:  # also catches an overflow to inf in the square
+        rms = norm / math.sqrt(tensor.numel()) if tensor.numel() else 0.0
+        if not rms <= max_rms:  # also catches an overflow to inf in the norm
             raise PoisonError(
                 f"{what} payload has root-mean-square {rms:.3g}, above this peer's cap {max_rms:g}; "
                 "refusing it as absurd"
@@ -138,8 +144,10 @@ class RequestHandlers:
 
     async def _on_forward(self, message: Message, remote: Any) -> dict[str, Any]:
         """A FORWARD is validated here, completely, before it is queued (docs/ARCHITECTURE.md)."""
+        arrived = time.time()
         try:
             h = ForwardHeader.from_wire(message.header)
+            self.timeline.mark(h.mb_id, "forward", "arrived", at=arrived)  # note "timeline"
             compute = self._check_forward(h)
             tokens, targets, x = await self._forward_inputs(compute, h, message.payload)
             if h.mode == "train" and h.mb_id in compute.stash:
@@ -197,16 +205,30 @@ class RequestHandlers:
 
     def _queue_task(self, kind: str, mb_id: str, remote: Any, fn: Callable[[float], None]) -> int:
         """Admit a validated request into the compute queue; its micro-batch is held from now on."""
+        timeline = self.timeline
+
+        def timed(waited: float) -> None:  # note "timeline": when the worker ran it
+            timeline.mark(mb_id, kind, "started", cpu=time.thread_time())
+            try:
+                fn(waited)
+            finally:
+                timeline.mark(mb_id, kind, "ended", cpu=time.thread_time())
+
         self._outbox.hold(mb_id)
         try:
-            return self._admission.submit(kind, str(remote), fn)
+            at = time.time()  # before the worker can start it
+            n = self._admission.submit(kind, str(remote), timed)
+            timeline.mark(mb_id, kind, "queued", at=at)
+            return n
         except RequestError:
             self._outbox.unhold(mb_id)
             raise
 
     async def _on_backward(self, message: Message, remote: Any) -> dict[str, Any]:
+        arrived = time.time()
         try:
             h = BackwardHeader.from_wire(message.header)
+            self.timeline.mark(h.mb_id, "backward", "arrived", at=arrived)
             compute = self._check_common(h.run_id, h.spec_hash, h.stage, "backward")
             entry = compute.peek(h.mb_id)
             fwd: ForwardHeader = entry.context

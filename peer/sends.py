@@ -21,9 +21,19 @@ from typing import Any
 
 from peer.compute import StageCompute
 from peer.config import PeerConfig
+from peer.timeline import Timeline
 from peer.trainers import TrainerWatch
 from swarm.errors import Failure, PeerFailure, RequestError
-from swarm.wire.protocol import BACKWARD, REPORT, BackwardHeader, ForwardHeader, Message, Report, call
+from swarm.wire.protocol import (
+    BACKWARD,
+    FORWARD,
+    REPORT,
+    BackwardHeader,
+    ForwardHeader,
+    Message,
+    Report,
+    call,
+)
 
 __all__ = ["Outbox"]
 
@@ -43,11 +53,13 @@ class Outbox:
         loop: Callable[[], asyncio.AbstractEventLoop | None],
         p2p: Callable[[], Any],
         auth: Callable[[], Any],
+        timeline: Timeline | None = None,
     ):
         self._timeout_s = config.request_timeout_s
         self._counters = counters  # the peer's: failed_sends
         self._trainers = trainers
         self._loop, self._p2p, self._auth = loop, p2p, auth
+        self._timeline = timeline  # note "timeline" (peer/timeline.py): sending / sent of each hop
         self._sends: set[asyncio.Future] = set()
         self._held: Counter[str] = Counter()  # note "holding": mb_id -> its queued tasks and unfinished sends
         self._held_lock = threading.Lock()
@@ -132,8 +144,13 @@ class Outbox:
             if drop_from is not None:
                 drop_from.drop(origin.mb_id)
             return
+        pass_ = "forward" if name == FORWARD else "backward"
+        if self._timeline is not None:
+            self._timeline.mark(origin.mb_id, pass_, "sending")
         try:
             await self._call(self._p2p(), peer, name, Message(header.to_wire(), payload))
+            if self._timeline is not None:
+                self._timeline.mark(origin.mb_id, pass_, "sent")
         except (PeerFailure, RequestError) as e:
             self._counters["failed_sends"] += 1
             if drop_from is not None:
@@ -172,8 +189,13 @@ class Outbox:
         p2p = self._p2p()
         if p2p is None:
             return
+        done = report.kind == "done" and self._timeline is not None  # stage 0's last hop (note "timeline")
+        if done:
+            self._timeline.mark(report.mb_id, "backward", "sending")
         try:
             await self._call(p2p, trainer, REPORT, Message(report.to_wire(), payload))
+            if done:
+                self._timeline.mark(report.mb_id, "backward", "sent")
         except (PeerFailure, RequestError) as e:
             logger.info(
                 "report %s of %s to trainer %s was not delivered: %s", report.kind, report.mb_id, trainer, e

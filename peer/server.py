@@ -52,6 +52,7 @@ from peer.runtime import ComputeQueue
 from peer.sends import Outbox
 from peer.tasks import TaskOwner
 from peer.throughput import ServedRate
+from peer.timeline import Timeline
 from peer.trainers import TrainerWatch
 from peer.work import WorkerTasks
 from swarm.dht.auth import RunAuth
@@ -115,6 +116,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
         self._stopping: asyncio.Future | None = None  # the one shutdown, once begun
         self._tasks = TaskOwner(self._stop_on_crash)
         self._admission = Admission(config, self.counters)
+        self.timeline = Timeline()  # note "timeline" (peer/timeline.py): always on, cheap
         self._trainers = TrainerWatch(
             compute=lambda: self._compute, ping=self._ping, spawn=self._tasks.spawn, counters=self.counters
         )
@@ -125,6 +127,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
             loop=lambda: self._loop,
             p2p=lambda: self._p2p,
             auth=lambda: self.auth,
+            timeline=self.timeline,
         )
 
     # ------------------------------------------------------------------------------ properties
@@ -313,7 +316,21 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
         await self._tasks.close()
         await self._finish_work(was_serving)
         await self._stop_network()
+        self._write_timeline()
         self.state = "stopped"
+
+    def _write_timeline(self) -> None:
+        """``--timeline FILE``: write what this peer served (note "timeline"), once it is all done."""
+        path = self.config.timeline_path
+        if path is None:
+            return
+        if self._compute is not None:
+            self.timeline.stage = self._compute.stage
+        try:
+            n = self.timeline.write(path, peer=self._membership.peer_id if self._membership else "")
+            logger.info("timeline of %d events written to %s", n, path)
+        except OSError as e:
+            logger.error("could not write the timeline to %s: %s", path, e)
 
     async def _finish_work(self, was_serving: bool) -> None:
         """Drain the queue and the sends, stop the rounds, keep what was learnt (rate, checkpoint)."""

@@ -8,10 +8,12 @@ spec) and in-process ``StagePeer`` objects, each with its own DHT; everything is
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
 
+from benchmarks.timeline_analysis import build_passes
 from compression import decode_any, get_codec
 from peer import StagePeer
 from swarm.errors import Failure, RequestError
@@ -167,7 +169,7 @@ def test_refusals_and_failed_hop_reports():
     asyncio.run(main())
 
 
-def test_async_pipeline_with_many_micro_batches_in_flight():
+def test_async_pipeline_with_many_micro_batches_in_flight(tmp_path):
     spec = RunSpec.from_dict(
         tiny_spec("async2", stages=2).to_dict()
         | {"codecs": {"activations": "blockwise8", "gradients": "blockwise8"}}
@@ -179,7 +181,10 @@ def test_async_pipeline_with_many_micro_batches_in_flight():
         peers: list[StagePeer] = []
         try:
             await driver.start()
-            await start_peers(driver, [peer_config(driver, 0), peer_config(driver, 1)], peers)
+            timeline = tmp_path / "peer0.jsonl"
+            await start_peers(
+                driver, [peer_config(driver, 0, timeline_path=str(timeline)), peer_config(driver, 1)], peers
+            )
             route = [p.peer_id for p in peers]
             n = 8
             sent = set()
@@ -203,8 +208,22 @@ def test_async_pipeline_with_many_micro_batches_in_flight():
             assert all(r.stats["fwd_bytes_0"] < 2 * 16 * 32 * 4 / 3 for r in losses.values())  # ~4x smaller
             assert set(losses) == sent
             assert all(len(p.compute.stash) == 0 for p in peers)
+            # note "timeline" (peer/timeline.py): every pass's events, in order, on both stages
+            last = build_passes(peers[1].timeline.records())  # in memory (stage -1 until written)
+            assert {(p.mb, p.kind) for p in last if p.ran} == {(m, "forward") for m in sent}
+            assert all(p.arrived <= p.queued <= p.started <= p.ended for p in last if p.ran)
         finally:
             await stop_all(peers, driver)
+        first = build_passes(json.loads(x) for x in timeline.read_text().splitlines()[1:])  # at shutdown
+        assert {(p.mb, p.kind) for p in first if p.ran} == {
+            (m, k) for m in sent for k in ("forward", "backward")
+        }
+        for p in first:
+            assert (
+                p.queued <= p.started <= p.ended and p.started <= p.sending <= p.sent
+            )  # (sent before the task's tail)
+            assert p.cpu_s is not None and p.cpu_s >= 0
+        assert all(p.arrived <= p.queued for p in first if p.kind == "backward")
 
     asyncio.run(main())
 

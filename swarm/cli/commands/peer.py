@@ -49,6 +49,7 @@ FLAGS = (
         help="benchmark knob: each micro-batch occupies the stage at least F ms forward and B ms backward "
         "(the rest slept after the real compute, like a GPU; benchmarks/bubbles.py)",
     ),
+    Flag("timeline_path", "--timeline", metavar="FILE"),
     Flag("max_queue", "--max-queue", metavar="N"),
     Flag("announce_period_s", "--announce-period", metavar="S"),
     Flag(
