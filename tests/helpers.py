@@ -91,6 +91,22 @@ async def time_limit(seconds: float) -> AsyncIterator[None]:
 # --------------------------------------------------------------------- stage peers on loopback
 
 
+def online_record(peer_id: str, stage: int = 1, **kw) -> R.PeerRecord:
+    """An online stage peer's record of run "r" with everyday values; ``kw`` replaces any field."""
+    base = dict(
+        peer_id=peer_id,
+        run_id="r",
+        stage=stage,
+        state="online",
+        throughput=1000.0,
+        queue=0,
+        version=3,
+        codecs=("blockwise8",),
+        spec_hash="a" * 16,
+    )
+    return R.PeerRecord(**(base | kw))
+
+
 def tiny_spec(run_id: str, stages: int = 3, subspace: dict | None = None, **optimizer) -> RunSpec:
     opt = {"name": "adamw", "lr": 1e-2, "mode": "sync", "accumulate": 1, "clip_norm": 1.0} | optimizer
     model = {"vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 2, "seq_len": 16}

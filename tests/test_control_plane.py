@@ -14,23 +14,13 @@ from peer.announcements import MATERIAL_FIELDS, AnnounceRule
 from swarm.dht.records import PeerRecord
 from swarm.traffic import Traffic, from_stats, message_kind, per_token, record_kind
 from swarm.train.background import REFRESH_MAX_FACTOR, next_refresh_s, records_view
+from tests.helpers import online_record
 
 PID = "QmYaXWzrw9Jz2WeMeFun9F5yreTfrWkTLuUqWx4BmxK6FT"
 
 
 def record(**kw) -> PeerRecord:
-    base = dict(
-        peer_id=PID,
-        run_id="r",
-        stage=1,
-        state="online",
-        throughput=1000.0,
-        queue=0,
-        version=3,
-        codecs=("blockwise8",),
-        spec_hash="a" * 16,
-    )
-    return PeerRecord(**(base | kw))
+    return online_record(PID, **kw)
 
 
 # ------------------------------------------------------------------------------------ traffic

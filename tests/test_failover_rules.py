@@ -13,7 +13,7 @@ from swarm.client.liveness import LivenessConfig
 from swarm.dht.records import PeerRecord
 from swarm.train.config import TrainerConfig
 from swarm.train.routes import Routes
-from tests.helpers import tiny_spec
+from tests.helpers import online_record, tiny_spec
 
 A = "QmYaXWzrw9Jz2WeMeFun9F5yreTfrWkTLuUqWx4BmxK6FT"
 B = "QmNyLS3uJCGxvsjzhHvUNgkrGX6Mbiv1SVNAgC7GCjiqQe"
@@ -21,18 +21,7 @@ GONE = "QmXrs7SrUVe51xAzyWw9pkM3DXfNAs99dquaHzbRdWLfGT"
 
 
 def record(pid: str, stage: int, **kw) -> PeerRecord:
-    base = dict(
-        peer_id=pid,
-        run_id="r",
-        stage=stage,
-        state="online",
-        throughput=1000.0,
-        queue=0,
-        version=3,
-        codecs=("blockwise8",),
-        spec_hash="a" * 16,
-    )
-    return PeerRecord(**(base | kw))
+    return online_record(pid, stage, **kw)
 
 
 # ------------------------------------------------------------------------------ replica recount
