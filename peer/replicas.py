@@ -341,10 +341,11 @@ class ReplicaRounds:
         (a count under load can miss a live replica whose INFO times out: one low count alone never
         gives a healthy round up)."""
         now = time.monotonic()
+        since = now - self._member_checked
         suspect = self.compute.replicas < group
-        if not (suspect or member_check_due(now - started, math.inf, self.round_s_ema)):
-            return None
-        if now - self._member_checked < MEMBER_CHECK_S:
+        if since < MEMBER_CHECK_S or not (
+            suspect or member_check_due(now - started, since, self.round_s_ema)
+        ):
             return None
         self._member_checked = now
         try:

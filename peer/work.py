@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -34,6 +36,16 @@ from swarm.wire.protocol import BACKWARD, FORWARD, BackwardHeader, ForwardHeader
 __all__ = ["WorkerTasks"]
 
 logger = logging.getLogger(__name__)
+
+PER_MB_KEPT = 4096  # forward facts kept per micro-batch until its backward (oldest forgotten first)
+
+
+def _remember(kept: OrderedDict[str, Any], mb_id: str, value: Any) -> None:
+    """Keep ``value`` for ``mb_id`` until its backward pops it; forget the oldest beyond PER_MB_KEPT (a
+    backward that never comes must not grow the map)."""
+    kept[mb_id] = value
+    while len(kept) > PER_MB_KEPT:
+        kept.popitem(last=False)
 
 
 class WorkerTasks:
@@ -59,9 +71,7 @@ class WorkerTasks:
                 if compute.is_last:  # the last stage's forward task runs the backward too
                     self._rate.add(h.batch * h.seq, spent)
                 else:
-                    self._fwd_s[h.mb_id] = spent
-                    while len(self._fwd_s) > 4096:
-                        self._fwd_s.popitem(last=False)
+                    _remember(self._fwd_s, h.mb_id, spent)
         except (ValueError, RuntimeError) as e:  # RequestError, CodecError; RuntimeError: e.g. CUDA OOM
             compute.drop(h.mb_id)
             if not isinstance(e, RequestError):
@@ -99,9 +109,7 @@ class WorkerTasks:
             payload = self._codecs[0].encode(res.output, stream=(nxt, s, "act"))
             stats[f"fwd_bytes_{s}"] = float(len(payload))
             if h.mode == "train" and h.one_report:  # note "one report": they go down with the backward
-                self._fwd_stats[h.mb_id] = stats
-                while len(self._fwd_stats) > 4096:
-                    self._fwd_stats.popitem(last=False)
+                _remember(self._fwd_stats, h.mb_id, stats)
                 stats = {}
             header = dataclasses.replace(h, stage=s + 1, stats=stats, sent_at=time.time())
             # if the hop fails the route broke downstream: its backward never comes, so free the stash entry

@@ -91,7 +91,7 @@ class Routes:
         the record a dead peer leaves behind), or until its record changes: a dead peer cannot store one,
         a peer that restarted with the same identity (or was only unreachable) stores a new one."""
         self.dead[peer] = now
-        self._dead_records[peer] = next((st[peer] for st in self.stages if peer in st), None)
+        self._dead_records[peer] = self._record_of(peer)
 
     def routable(self, now: float) -> list[dict[str, PeerRecord]]:
         """The stage records without the peers held as dead (``found_dead``)."""
@@ -105,9 +105,12 @@ class Routes:
 
     def _came_back(self, peer: str) -> bool:
         """Whether ``peer``'s record differs from the one it had when it was found dead."""
-        then = self._dead_records.get(peer)
-        now = next((st[peer] for st in self.stages if peer in st), None)
+        then, now = self._dead_records.get(peer), self._record_of(peer)
         return then is not None and now is not None and now != then
+
+    def _record_of(self, peer: str) -> PeerRecord | None:
+        """``peer``'s record in the latest stage lists, None when no stage lists it."""
+        return next((st[peer] for st in self.stages if peer in st), None)
 
     def unavailable(self, e: NoPeersError, now: float) -> None:
         """No route: say how to start a peer (every 30 s); give up after ``stage_wait_s``."""
