@@ -38,16 +38,19 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 }
 
 
+def _rev(repo: Path, what: str) -> str:
+    out = subprocess.run(["git", "-C", str(repo), "rev-parse", what], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
 def _checkout(base: str, base_dir: Path) -> Path:
     if not (base_dir / "swarm").is_dir():
         subprocess.run(
             ["git", "-C", str(REPO), "worktree", "add", "--detach", str(base_dir), base], check=True
         )
-    head = subprocess.run(["git", "-C", str(base_dir), "rev-parse", "HEAD"], capture_output=True, text=True)
-    if not head.stdout.strip().startswith(base[:7]):
-        raise SystemExit(
-            f"--base-dir {base_dir} holds {head.stdout.strip()[:10]}, not {base}: remove it or pick another"
-        )
+    want, head = (_rev(REPO, f"{base}^{{commit}}"), _rev(base_dir, "HEAD"))
+    if want != head:
+        raise SystemExit(f"--base-dir {base_dir} holds {head[:10]}, not {base}: remove it or pick another")
     return base_dir
 
 
@@ -82,13 +85,10 @@ def _run_demo(code_dir: Path, flags: list[str], timeout_s: float) -> dict[str, A
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     base_dir = _checkout(args.base, Path(args.base_dir))
-    head = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
     result: dict[str, Any] = {
         "name": "demo_throughput",
         "base": args.base,
-        "this": head.stdout.strip(),
+        "this": _rev(REPO, "HEAD")[:7],
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python -m benchmarks.demo_throughput " + " ".join(sys.argv[1:]),
         "runs": [],
@@ -125,12 +125,10 @@ def render(result: dict[str, Any]) -> str:
         stale = [r["applied_staleness"] for r in runs if r.get("applied_staleness")]
         stale_s = ", ".join(f"{s.get('0', 0):.2f} / {s.get('1', 0):.2f}" for s in stale) or "-"
         label = f"base ({result['base']})" if variant == "base" else f"{variant} ({result['this']})"
-        lines.append(
-            f"| {label} | {len(runs)} | {', '.join(f'{t:.0f}' for t in tps)} | {mean:.0f} | "
-            f"{mean / base:.2f} | {min(losses):.2f}-{max(losses):.2f} | {stale_s} |"
-            if base and losses
-            else f"| {label} | {len(runs)} | {', '.join(f'{t:.0f}' for t in tps)} | {mean:.0f} | - | - | {stale_s} |"
-        )
+        vs_base = f"{mean / base:.2f}" if base else "-"
+        loss_s = f"{min(losses):.2f}-{max(losses):.2f}" if losses else "-"
+        each = ", ".join(f"{t:.0f}" for t in tps)
+        lines.append(f"| {label} | {len(runs)} | {each} | {mean:.0f} | {vs_base} | {loss_s} | {stale_s} |")
     return "\n".join(lines)
 
 
