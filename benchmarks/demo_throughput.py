@@ -4,6 +4,7 @@ sides alike.
 
     python -m benchmarks.demo_throughput                      # 3 pairs: base 7d961c3, then this code
     python -m benchmarks.demo_throughput --pairs 2 --variants paced fixed4
+    python -m benchmarks.demo_throughput --variants base paced recompute   # recompute: as before session 8
     python -m benchmarks.demo_throughput --render             # the table from the JSON
 
 The base commit is checked out in a detached git worktree (``--base-dir``, made if missing) and run
@@ -30,12 +31,28 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "demo_throughput.json"
 
-# variant -> (which code, extra demo flags)
-VARIANTS: dict[str, tuple[str, list[str]]] = {
-    "base": ("base", []),
-    "paced": ("this", ["--no-reference"]),
-    "fixed4": ("this", ["--no-reference", "--max-inflight", "4"]),
+# variant -> (which code, extra demo flags, overrides of this checkout's examples/demo.yaml)
+VARIANTS: dict[str, tuple[str, list[str], dict[str, Any]]] = {
+    "base": ("base", [], {}),
+    "paced": ("this", ["--no-reference"], {}),
+    "fixed4": ("this", ["--no-reference", "--max-inflight", "4"], {}),
+    # the demo as it ran before it kept activations (session 8): the forward again at every backward
+    "recompute": ("this", ["--no-reference"], {"optimizer": {"recompute": True}}),
 }
+
+
+def _spec_flags(overrides: dict[str, Any], tmp: Path) -> list[str]:
+    """``--spec FILE``: this checkout's demo spec with ``overrides`` merged in (none: no flag)."""
+    if not overrides:
+        return []
+    import yaml
+
+    spec = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
+    for section, values in overrides.items():
+        spec.setdefault(section, {}).update(values)
+    path = tmp / "demo_variant.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return ["--spec", str(path)]
 
 
 def _rev(repo: Path, what: str) -> str:
@@ -95,10 +112,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     for pair in range(args.pairs):
         for variant in args.variants:
-            code, flags = VARIANTS[variant]
+            code, flags, overrides = VARIANTS[variant]
             code_dir = base_dir if code == "base" else REPO
             print(f"pair {pair + 1}/{args.pairs}: {variant} ...", flush=True)
-            r = _run_demo(code_dir, flags, args.timeout_s)
+            with tempfile.TemporaryDirectory(prefix="demo-variant-") as tmp:
+                r = _run_demo(code_dir, [*flags, *_spec_flags(overrides, Path(tmp))], args.timeout_s)
             r.update(variant=variant, pair=pair)
             result["runs"].append(r)
             print(

@@ -99,9 +99,17 @@ def gantt(passes: Sequence[Pass], window: tuple[float, float], path: Path, secon
 
 
 def run_once(
-    lcfg: LinksConfig, work: Path, *, swarm: bool, pipelining: bool, mb: int, trainer_args: Sequence[str] = ()
+    lcfg: LinksConfig,
+    work: Path,
+    *,
+    swarm: bool,
+    pipelining: bool,
+    mb: int,
+    trainer_args: Sequence[str] = (),
+    keeper: bool = True,
 ) -> dict[str, Any]:
-    """One swarm run with timelines and/or one 1F1B run on loopback."""
+    """One swarm run with timelines and/or one 1F1B run on loopback (``keeper``: ``swarm init`` keeps
+    stage snapshots, as by default)."""
     nodes = {"boot": "boot", "trainer": "trainer", "stages": [f"s{i}" for i in range(8)]}
     n_cores = os.cpu_count() or 1
     out: dict[str, Any] = {"load_start": os.getloadavg()}
@@ -113,7 +121,16 @@ def run_once(
             job = Job(
                 kind="swarm", codec="blockwise8", mode="async", micro_batches=mb, purposes=("throughput",)
             )
-            res = run_swarm(lab, lcfg, job, work / "swarm", nodes, timeline_dir=tl, trainer_args=trainer_args)
+            res = run_swarm(
+                lab,
+                lcfg,
+                job,
+                work / "swarm",
+                nodes,
+                timeline_dir=tl,
+                trainer_args=trainer_args,
+                keeper=keeper,
+            )
             analysis, passes = analyse_dir(tl, n_cores)
             out["swarm"] = {"tokens_per_s": res.get("tokens_per_s"), **analysis}
             out["_passes"] = passes
@@ -136,6 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tag", default="", help="results/timeline_<tag>.json and .png")
     p.add_argument("--no-pipelining", action="store_true", help="swarm runs only")
     p.add_argument("--trainer-args", default="", help="more swarm train flags, e.g. '--fixed-inflight'")
+    p.add_argument(
+        "--no-keeper",
+        action="store_true",
+        help="swarm init without its keeper (no stage snapshots downloaded)",
+    )
     p.add_argument("--analyze", type=Path, default=None, help="analyse the timelines in this directory")
     p.add_argument(
         "--render", action="store_true", help="rewrite BENCHMARKS.md 'Where the cycles go' from the JSON"
@@ -156,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine_info(),
         "micro_batches": args.micro_batches,
         "trainer_args": args.trainer_args,
+        "keeper": not args.no_keeper,
         "runs": [],
     }
     t0 = time.time()
@@ -167,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 swarm=True,
                 pipelining=not args.no_pipelining,
                 mb=args.micro_batches,
+                trainer_args=args.trainer_args.split(),
+                keeper=not args.no_keeper,
             )
             passes = r.pop("_passes")
             if rep == 0:
