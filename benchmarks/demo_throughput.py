@@ -88,6 +88,7 @@ def _run_demo(code_dir: Path, flags: list[str], timeout_s: float) -> dict[str, A
         if proc.returncode != 0:
             raise RuntimeError(f"demo in {code_dir} exited {proc.returncode}: {proc.stderr[-2000:]}")
         s = json.loads((out / "summary.json").read_text())
+        curve = eval_curve(out / "metrics.jsonl")
     return {
         "tokens_per_s": s.get("tokens_per_s"),
         "eval_loss_last": s.get("eval_loss_last"),
@@ -97,7 +98,31 @@ def _run_demo(code_dir: Path, flags: list[str], timeout_s: float) -> dict[str, A
         "tokens": s.get("tokens"),
         "wall_s": round(time.time() - t0, 1),
         "load_at_start": [round(x, 2) for x in load],
+        "eval_curve": curve,
     }
+
+
+def eval_curve(metrics: Path) -> list[list[float]]:
+    """``[seconds, tokens, held-out loss]`` of every evaluation in a demo's metrics.jsonl."""
+    rows = []
+    for line in metrics.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("type") == "eval" and r.get("eval_loss") is not None:
+            rows.append([float(r["time"]), float(r["tokens"]), float(r["eval_loss"])])
+    return rows
+
+
+def seconds_to(curve: list[list[float]], target: float) -> float | None:
+    """Training seconds until the held-out loss first reaches ``target``, interpolated linearly between
+    the two evaluations around the crossing (from 0 s before the first); None when it never does."""
+    prev: list[float] | None = None
+    for t, _tokens, loss in curve:
+        if loss <= target:
+            if prev is None or prev[2] <= loss:
+                return t if prev is None else prev[0]
+            return prev[0] + (t - prev[0]) * (prev[2] - target) / (prev[2] - loss)
+        prev = [t, _tokens, loss]
+    return None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,14 +152,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _reach(runs: list[dict[str, Any]], target: float | None) -> tuple[list[float | None], float | None]:
+    """Each run's seconds to ``target`` (None: never, or no curve) and their mean when all got there."""
+    reach = [seconds_to(r.get("eval_curve") or [], target) if target else None for r in runs]
+    return reach, (statistics.mean(reach) if reach and None not in reach else None)  # type: ignore[arg-type]
+
+
 def render(result: dict[str, Any]) -> str:
     by: dict[str, list[dict[str, Any]]] = {}
     for r in result["runs"]:
         by.setdefault(r["variant"], []).append(r)
-    base = statistics.mean(r["tokens_per_s"] for r in by.get("base", [])) if by.get("base") else None
+    base_runs = by.get("base", [])
+    base = statistics.mean(r["tokens_per_s"] for r in base_runs) if base_runs else None
+    # the quality the old demo ends at: the mean of its runs' last held-out loss
+    target = statistics.mean(r["eval_loss_last"] for r in base_runs) if base_runs else None
+    base_s = _reach(base_runs, target)[1]
     lines = [
-        "| code | runs | tokens/s (each run) | mean | vs base | held-out loss | applied staleness (stage 0 / 1) |",
-        "|---|---|---|---|---|---|---|",
+        "| code | runs | tokens/s (each run) | mean | vs base | held-out loss | applied staleness (stage 0 / 1) "
+        "| s to the base's final held-out loss (each run) | base s / this s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for variant, runs in by.items():
         tps = [r["tokens_per_s"] for r in runs]
@@ -146,7 +182,12 @@ def render(result: dict[str, Any]) -> str:
         vs_base = f"{mean / base:.2f}" if base else "-"
         loss_s = f"{min(losses):.2f}-{max(losses):.2f}" if losses else "-"
         each = ", ".join(f"{t:.0f}" for t in tps)
-        lines.append(f"| {label} | {len(runs)} | {each} | {mean:.0f} | {vs_base} | {loss_s} | {stale_s} |")
+        reach, mean_s = _reach(runs, target)
+        reach_s = ", ".join("-" if x is None else f"{x:.0f}" for x in reach) if target else "-"
+        speed = f"{base_s / mean_s:.2f}" if base_s and mean_s else "-"
+        lines.append(
+            f"| {label} | {len(runs)} | {each} | {mean:.0f} | {vs_base} | {loss_s} | {stale_s} | {reach_s} | {speed} |"
+        )
     return "\n".join(lines)
 
 
