@@ -35,6 +35,8 @@ def test_seconds_to_interpolates_between_the_evaluations_around_the_crossing():
 
 
 def test_render_compares_the_time_to_the_base_final_loss():
+    """The target is the mean of the base runs' last held-out losses; the base's own time is its training
+    time (to its last evaluation), whether or not its curve crosses that mean."""
     run = lambda variant, tps, last, curve: {  # noqa: E731
         "variant": variant,
         "tokens_per_s": tps,
@@ -45,15 +47,15 @@ def test_render_compares_the_time_to_the_base_final_loss():
         "base": "7d961c3",
         "this": "abc1234",
         "runs": [
-            run("base", 8000.0, 2.6, [[20.0, 1e5, 2.9], [40.0, 3e5, 2.6]]),
-            run("base", 6000.0, 2.6, [[20.0, 1e5, 2.8], [40.0, 3e5, 2.6]]),
+            run("base", 8000.0, 2.5, [[20.0, 1e5, 2.9], [36.0, 3e5, 2.5]]),
+            run("base", 6000.0, 2.7, [[20.0, 1e5, 2.8], [44.0, 3e5, 2.7]]),
             run("paced", 4000.0, 2.2, [[20.0, 1e5, 2.5], [60.0, 3e5, 2.2]]),
             run("paced", 4000.0, 2.2, [[20.0, 1e5, 2.7], [60.0, 3e5, 2.2]]),
         ],
     }
     table = render(result)
     base_row, paced_row = table.splitlines()[2:4]
-    assert "| 7000 | 1.00 |" in base_row and "| 40, 40 | 1.00 |" in base_row
+    assert "| 7000 | 1.00 |" in base_row and "| 36, 44 | 1.00 |" in base_row  # target: 2.6
     # paced: 0.57 of the base's tokens/s; it reaches 2.6 at its first evaluation (20 s), and between
     # 2.7 at 20 s and 2.2 at 60 s, at 28 s: 24 s in the mean against the base's 40
     assert "| 4000 | 0.57 |" in paced_row
