@@ -1,23 +1,36 @@
 """CPU seconds of a command and all its descendants, by kind of process.
 
     python -m benchmarks.cpu_by_process -- python -m swarm.cli demo --out /tmp/d --no-reference --quiet
+    python -m benchmarks.cpu_by_process --threads -- python -m swarm.cli demo --out /tmp/d --no-reference --quiet
 
 Every second it reads utime + stime of every thread of every descendant from /proc and keeps each
 thread's last reading; at the end it prints the totals by kind: ``peer`` (a ``swarm peer`` process),
 ``peer/child`` (processes it forked: hivemind's DHT and averager), ``.../p2pd`` (libp2p daemons),
 ``trainer``, ``demo``. A thread that lived less than a second between samples is missed, so the
 totals are a lower bound. Linux only. BENCHMARKS.md "Demo throughput" shows what it found.
+
+``--threads`` also prints the CPU seconds of every kind of thread: every ``NAME_EVERY_S`` it asks
+``py-spy dump`` (when py-spy is installed: it is not a dependency) for the Python name and the entry
+function of each thread of each process, and it tells a forked child that runs hivemind's DHT from one
+that runs an averager by those entry functions (``peer/dht``, ``peer/averager``). Threads it could not
+name are ``?`` (a native thread, such as torch's, or one that ended between two dumps).
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
+NAME_EVERY_S = 20.0
+_DUMP_THREAD = re.compile(r'Thread (\d+) \(\w+\): "([^"]*)"\n((?:    .*\n)*)')
+_ENTRY_SKIP = {"Thread.run", "Thread._bootstrap_inner", "Thread._bootstrap"}
 
 
 def _parents() -> dict[int, list[int]]:
@@ -62,12 +75,66 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
-def measure(argv: list[str], every_s: float = 1.0) -> tuple[int, dict[str, float]]:
-    """Run ``argv``; its exit code and CPU seconds by kind of process."""
+def _py_spy() -> str | None:
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+def thread_names(pid: int, py_spy: str) -> dict[int, str]:
+    """``{thread id: "python name | entry function"}`` of one process, from ``py-spy dump``."""
+    try:
+        out = subprocess.run(
+            [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return parse_dump(out)
+
+
+def parse_dump(out: str) -> dict[int, str]:
+    """``{thread id: "python name | entry function"}`` from the text of ``py-spy dump``: the entry is the
+    outermost frame below threading's own."""
+    names = {}
+    for m in _DUMP_THREAD.finditer(out):
+        frames = [line.strip().split(" (")[0] for line in m.group(3).splitlines()]
+        entry = [f for f in frames if f not in _ENTRY_SKIP]
+        names[int(m.group(1))] = f"{m.group(2)} | {entry[-1] if entry else '?'}"
+    return names
+
+
+def _child_role(names: dict[int, str]) -> str:
+    """What a forked child of a peer or trainer runs, from its threads' entry functions."""
+    entries = " ".join(names.values())
+    if "_run_internal" in entries:
+        return "averager"
+    if "DHT.run_in_background" in entries or "DHT.run" in entries:
+        return "dht"
+    return "child"
+
+
+def measure(
+    argv: list[str], every_s: float = 1.0, *, threads: bool = False
+) -> tuple[int, dict[str, float], dict[str, float]]:
+    """Run ``argv``; its exit code, CPU seconds by kind of process and (``threads``) by kind of thread."""
     last: dict[tuple[int, int], tuple[str, int]] = {}
     labels: dict[int, str] = {}
+    names: dict[tuple[int, int], str] = {}
+    py_spy = _py_spy() if threads else None
+    if threads and py_spy is None:
+        print("cpu_by_process: py-spy not found; threads stay unnamed", file=sys.stderr)
+    named_at = time.monotonic()
     proc = subprocess.Popen(argv)
     while proc.poll() is None:
+        if py_spy is not None and time.monotonic() - named_at > NAME_EVERY_S:
+            named_at = time.monotonic()
+            for pid, label in list(labels.items()):
+                if label.endswith("p2pd"):
+                    continue
+                found = thread_names(pid, py_spy)
+                for tid, name in found.items():
+                    names.setdefault((pid, tid), name)
+                if label.endswith("/child") and found:
+                    labels[pid] = label.rsplit("/", 1)[0] + "/" + _child_role(found)
         for pid in _descendants(proc.pid):
             kind, ppid = _kind(pid), _ppid(pid)
             if kind is None or ppid is None:
@@ -76,7 +143,7 @@ def measure(argv: list[str], every_s: float = 1.0) -> tuple[int, dict[str, float
             if kind == "p2pd":
                 labels[pid] = f"{parent}/p2pd"
             elif parent.split("/")[0] == kind:  # forked (same command line): hivemind's DHT, averager
-                labels[pid] = f"{parent}/child"
+                labels.setdefault(pid, f"{parent}/child")
             else:
                 labels[pid] = kind
             try:
@@ -88,23 +155,36 @@ def measure(argv: list[str], every_s: float = 1.0) -> tuple[int, dict[str, float
                 continue
         time.sleep(every_s)
     totals: dict[str, float] = collections.Counter()
-    for label, ticks in last.values():
+    by_thread: dict[str, float] = collections.Counter()
+    for (pid, tid), (_label, ticks) in last.items():
+        label = labels.get(pid, _label)
         totals[label] += ticks / TICKS
-    return proc.returncode, dict(totals)
+        if threads:
+            name = names.get((pid, tid), "main" if pid == tid else "?")
+            by_thread[f"{label}: {name}"] += ticks / TICKS
+    return proc.returncode, dict(totals), dict(by_thread)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["--"]:
+    threads = "--threads" in args[: args.index("--")] if "--" in args else args[:1] == ["--threads"]
+    if "--" in args:
+        args = args[args.index("--") + 1 :]
+    elif threads:
         args = args[1:]
     if not args:
         print(__doc__, file=sys.stderr)
         return 2
-    rc, totals = measure(args)
+    rc, totals, by_thread = measure(args, threads=threads)
     total = sum(totals.values()) or 1.0
     print(f"CPU seconds, all processes: {total:.1f}")
     for label, s in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:40s} {s:7.1f}  {s / total:.1%}")
+    if threads:
+        print("by thread (process kind: python thread name | entry function), 0.5 s or more:")
+        for label, s in sorted(by_thread.items(), key=lambda kv: -kv[1]):
+            if s >= 0.5:
+                print(f"  {label:90s} {s:7.1f}")
     return rc
 
 

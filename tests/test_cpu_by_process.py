@@ -1,0 +1,33 @@
+"""benchmarks/cpu_by_process.py's pure parts: naming threads from a ``py-spy dump`` and telling a peer's
+forked DHT process from its averager."""
+
+from __future__ import annotations
+
+from benchmarks.cpu_by_process import _child_role, parse_dump
+
+DUMP = """Process 2941: python -m swarm.cli peer --stage 0
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 2941 (idle): "MainThread"
+    select (selectors.py:468)
+    run_forever (base_events.py:608)
+    run (peer.py:40)
+    <module> (__main__.py:7)
+Thread 2983 (active): "replica-rounds-0"
+    newton_schulz (optimizer.py:126)
+    ReplicaRounds._run (replicas.py:200)
+    Thread.run (threading.py:982)
+    Thread._bootstrap_inner (threading.py:1045)
+    Thread._bootstrap (threading.py:1002)
+"""
+
+
+def test_parse_dump_names_each_thread_by_its_python_name_and_entry_function():
+    assert parse_dump(DUMP) == {2941: "MainThread | <module>", 2983: "replica-rounds-0 | ReplicaRounds._run"}
+    assert parse_dump("") == {}
+
+
+def test_child_role_tells_the_dht_process_from_the_averager():
+    assert _child_role({1: "Thread-3 (_run_internal) | DecentralizedAverager._run_internal"}) == "averager"
+    assert _child_role({1: "asyncio_0 | DHT.run_in_background", 2: "MainThread | main"}) == "dht"
+    assert _child_role({1: "MainThread | main"}) == "child"
