@@ -570,3 +570,15 @@ def test_stream_cost_benchmark_smoke():
     assert [r["shape"] for r in results] == list(SHAPES)
     for r in results:  # every call is a stream of several packets with more bytes than we serialised
         assert r["packets_per_call"] > 4 and r["wire_bytes_per_call"] > r["serialised_bytes_per_call"]
+
+
+@pytest.mark.integration
+def test_round_cost_runs_rounds_of_two_averagers_and_writes_its_figures(tmp_path):
+    from benchmarks import round_cost
+
+    out = tmp_path / "round_cost.json"
+    assert round_cost.main(["--sizes", "100", "--rounds", "2", "--ops", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (r,) = result["rounds"]
+    assert r["values"] == 100 and r["completed"] == [2, 2]
+    assert r["cpu_ms_per_round_both_members"] > 0 and result["dht_store_cpu_ms"] > 0
