@@ -215,7 +215,12 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------------------------------ report
 
-LABELS = {"base": "before", "after": "after"}
+LABELS = {
+    "base": "before",
+    "after": "after",
+    "quiet": "session 8, quiet",
+    "quiet_nokeeper": "session 8, quiet, no keeper",
+}
 """The result files (``results/timeline_<tag>.json``) the BENCHMARKS.md block shows, and their names."""
 
 
