@@ -107,7 +107,7 @@ def _child_role(names: dict[int, str]) -> str:
     entries = " ".join(names.values())
     if "_run_internal" in entries:
         return "averager"
-    if "DHT.run_in_background" in entries or "DHT.run" in entries:
+    if "DHT.run" in entries:  # DHT.run, DHT.run_in_background
         return "dht"
     return "child"
 
