@@ -167,10 +167,10 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    threads = "--threads" in args[: args.index("--")] if "--" in args else args[:1] == ["--threads"]
-    if "--" in args:
-        args = args[args.index("--") + 1 :]
-    elif threads:
+    threads = args[:1] == ["--threads"]
+    if threads:
+        args = args[1:]
+    if args[:1] == ["--"]:
         args = args[1:]
     if not args:
         print(__doc__, file=sys.stderr)

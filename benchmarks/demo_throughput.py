@@ -114,14 +114,17 @@ def eval_curve(metrics: Path) -> list[list[float]]:
 
 def seconds_to(curve: list[list[float]], target: float) -> float | None:
     """Training seconds until the held-out loss first reaches ``target``, interpolated linearly between
-    the two evaluations around the crossing (from 0 s before the first); None when it never does."""
+    the two evaluations around the crossing (the first evaluation's time when it is already there); None
+    when it never does."""
     prev: list[float] | None = None
-    for t, _tokens, loss in curve:
+    for point in curve:
+        t, _tokens, loss = point
         if loss <= target:
-            if prev is None or prev[2] <= loss:
-                return t if prev is None else prev[0]
+            if prev is None:
+                return t
+            # prev is above the target (else it would have returned), so prev[2] > loss
             return prev[0] + (t - prev[0]) * (prev[2] - target) / (prev[2] - loss)
-        prev = [t, _tokens, loss]
+        prev = point
     return None
 
 
@@ -152,10 +155,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _reach(runs: list[dict[str, Any]], target: float | None) -> tuple[list[float | None], float | None]:
-    """Each run's seconds to ``target`` (None: never, or no curve) and their mean when all got there."""
-    reach = [seconds_to(r.get("eval_curve") or [], target) if target else None for r in runs]
-    return reach, (statistics.mean(reach) if reach and None not in reach else None)  # type: ignore[arg-type]
+def _times(runs: list[dict[str, Any]], target: float | None, *, own_end: bool) -> tuple[list, float | None]:
+    """Each run's seconds to ``target`` (None: never, or no curve) and their mean when every run has one.
+    ``own_end``: a base run's own time to its quality instead, its training seconds to its last evaluation
+    (its curve is noisy, and half of its runs end above the mean of their last losses)."""
+    times = [
+        (r["eval_curve"][-1][0] if own_end else seconds_to(r["eval_curve"], target))
+        if r.get("eval_curve") and target
+        else None
+        for r in runs
+    ]
+    return times, (statistics.mean(times) if times and None not in times else None)
 
 
 def render(result: dict[str, Any]) -> str:
@@ -166,10 +176,7 @@ def render(result: dict[str, Any]) -> str:
     base = statistics.mean(r["tokens_per_s"] for r in base_runs) if base_runs else None
     # the quality the old demo ends at: the mean of its runs' last held-out loss
     target = statistics.mean(r["eval_loss_last"] for r in base_runs) if base_runs else None
-    # the base's own time to that quality: its training seconds to its last evaluation (its curve is
-    # noisy, and half of its runs end above the mean of their last losses)
-    base_ends = [r["eval_curve"][-1][0] for r in base_runs if r.get("eval_curve")]
-    base_s = statistics.mean(base_ends) if base_ends and len(base_ends) == len(base_runs) else None
+    base_s = _times(base_runs, target, own_end=True)[1]
     lines = [
         "| code | runs | tokens/s (each run) | mean | vs base | held-out loss | applied staleness (stage 0 / 1) "
         "| s to the base's final held-out loss (each run; base: its training time) | base s / this s |",
@@ -185,10 +192,7 @@ def render(result: dict[str, Any]) -> str:
         vs_base = f"{mean / base:.2f}" if base else "-"
         loss_s = f"{min(losses):.2f}-{max(losses):.2f}" if losses else "-"
         each = ", ".join(f"{t:.0f}" for t in tps)
-        if variant == "base":
-            reach, mean_s = [r["eval_curve"][-1][0] if r.get("eval_curve") else None for r in runs], base_s
-        else:
-            reach, mean_s = _reach(runs, target)
+        reach, mean_s = _times(runs, target, own_end=variant == "base")
         reach_s = ", ".join("-" if x is None else f"{x:.0f}" for x in reach) if target else "-"
         speed = f"{base_s / mean_s:.2f}" if base_s and mean_s else "-"
         lines.append(

@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -122,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds, --ops and every --sizes value must be at least 1")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
     logging.getLogger("hivemind").setLevel(logging.ERROR)
-    sys.path.insert(0, str(REPO))
     from swarm.dht.network import DHTConfig, start_dht
 
     first = start_dht(DHTConfig())
