@@ -481,7 +481,9 @@ def test_bubbles_benchmark_smoke(tmp_path):
     tokens/s and a utilisation per stage, and the JSON is written."""
     from benchmarks.bubbles import quick_config, run_all
 
-    cfg = quick_config(n_micro=(2,), micro_batches=4, systems=("1f1b", "swarm async"))
+    # 12 micro-batches: the swarm's steady window (after the first step) then spans 10 completions; over
+    # 2 it could end on a burst of in-flight completions faster than a stage goes (it read 1.33 once)
+    cfg = quick_config(n_micro=(2,), micro_batches=12, systems=("1f1b", "swarm async"))
     report = run_all(cfg, name="bubbles_smoke", results_dir=tmp_path, say=lambda _: None)
     assert [r.get("error") for r in report["results"]] == [None, None]
     for r in report["results"]:
