@@ -29,6 +29,7 @@ class StepPolicy(Protocol):
     rounds_poll_s: float
     rounds_overlap: bool
     speculates: bool
+    patient_fill_in: bool
 
     def forward_started(self) -> None: ...
     def release_slot(self) -> bool: ...
@@ -49,6 +50,10 @@ class AsyncPolicy:
     speculates = (
         True  # serve training forwards during a round on its previewed step (note "speculative rounds")
     )
+    # a replica without traffic whose round's group is complete waits longer before it fills in with
+    # less than its share (note "patient fill-in" in peer/replicas.py): the trainers keep sending, and
+    # its partners' closed forward gates send the next micro-batches its way
+    patient_fill_in = True
 
     def forward_started(self) -> None:
         """A training forward began."""
@@ -89,6 +94,7 @@ class SyncPolicy:
     rounds_poll_s = 0.05
     rounds_overlap = False  # the next window may never come
     speculates = False  # forwards wait for the round anyway
+    patient_fill_in = False  # once the window is sent, nothing more comes: fill in at once
 
     def __init__(self, accumulate: int):
         self.accumulate = accumulate

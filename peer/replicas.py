@@ -48,6 +48,18 @@ or the round is slow, and a count of the round's own confirms fewer) is given up
 hivemind's chunk timeout (note "lost member" in peer/recount.py); with one replica left the replica
 then steps alone with what it holds.
 With one online replica there are no rounds: the stage steps locally, as without replicas.
+
+Note "patient fill-in": a replica that fills in makes its round combine fewer than ``accumulate``
+micro-batches, and the stage takes more, smaller steps than one process would (4 x 2 async runs on
+2 cores exported 161-176 stage steps for 150, most of the extra on the last stage, whose stash is
+empty between micro-batches). The quiet threshold (note "quiet") is capped at half the round timeout
+so that a partner's group search does not time out; but once this replica's scheduled round has its
+group (every member declared, the partners wait for its gradients in the all-reduce, which allows
+hivemind's ``next_chunk_timeout``, ``ALLREDUCE_MARGIN_S``), an async replica may wait up to
+``PATIENT_QUIET_S`` for its share: the trainers keep sending, and the partners whose shares are
+complete have closed their forward gates (``StageCompute.forward_allowed``), so the router's queue
+weights send the next micro-batches to this replica. In sync mode nothing more comes once the window
+is sent, so the cap stays.
 """
 
 from __future__ import annotations
@@ -70,6 +82,7 @@ __all__ = ["ReplicaRounds", "RoundsConfig", "round_outcome"]
 
 logger = logging.getLogger(__name__)
 
+PATIENT_QUIET_S = ALLREDUCE_MARGIN_S / 2  # note "patient fill-in": well inside the all-reduce's chunk wait
 DIGEST_RTOL = 1e-4  # weight digests of replicas that differ by rounding only agree far closer than this
 
 
@@ -225,7 +238,9 @@ class ReplicaRounds:
             self.run_round()
         elif self._scheduled is not None:
             # our group is complete and its other members wait for us, but our traffic stopped
-            if self.averager.group_formed(self._scheduled.control) and compute.can_fill_in(quiet):
+            if self.averager.group_formed(self._scheduled.control) and compute.can_fill_in(
+                self.quiet_s(formed=True)
+            ):
                 self.run_round()
         elif compute.uncombined() > 0:
             self._schedule()  # a share has begun: look for its group while it accumulates
@@ -356,10 +371,15 @@ class ReplicaRounds:
             return None
         return f"{live} live replica(s) of stage {self.compute.stage}, the round's group has {group}"
 
-    def quiet_s(self) -> float:
+    def quiet_s(self, *, formed: bool = False) -> float:
         """No gradient for this long means our traffic stopped (note "quiet" in peer/compute.py): at
-        least ``idle_s``, and well inside the round timeout a waiting partner gives us."""
-        return self.compute.quiet_after(self.config.idle_s, max(self.config.idle_s, self.timeout_s() / 2))
+        least ``idle_s``, and well inside the round timeout a waiting partner gives us; up to
+        ``PATIENT_QUIET_S`` when our round's group is ``formed`` and the mode keeps traffic coming
+        (note "patient fill-in")."""
+        cap = max(self.config.idle_s, self.timeout_s() / 2)
+        if formed and self.compute.policy.patient_fill_in:
+            cap = max(cap, PATIENT_QUIET_S)
+        return self.compute.quiet_after(self.config.idle_s, cap)
 
     def timeout_s(self) -> float:
         """How long the next round waits for a full group (see ``RoundsConfig.min_timeout_s``)."""

@@ -29,3 +29,51 @@ def test_a_member_whose_weights_diverged_downloads_the_reference_ones():
 def test_a_member_without_a_digest_is_not_judged():
     gathered = {"A": {"version": 1}, "B": {"version": 1, "digest": D}}
     assert round_outcome("B", 1, gathered).step and round_outcome("A", 1, gathered).step
+
+
+class _QuietCompute:
+    """What ``ReplicaRounds.quiet_s`` reads of a stage's compute: its policy and its gap statistics."""
+
+    stage, replicas, speculate = 0, 4, False
+    on_round_due = None
+
+    def __init__(self, policy, longest_gap_s):
+        self.policy = policy
+        self.longest_gap_s = longest_gap_s
+
+    def quiet_after(self, floor_s, cap_s):  # as StageCompute.quiet_after, with the gaps given
+        return min(cap_s, max(floor_s, 1.5 * self.longest_gap_s))
+
+
+def _rounds(policy, longest_gap_s):
+    from peer.replicas import ReplicaRounds, RoundsConfig
+
+    return ReplicaRounds(
+        _QuietCompute(policy, longest_gap_s),
+        None,
+        peer_id="me",
+        config=RoundsConfig(timeout_s=5.0, idle_s=1.0),
+        replicas_fn=lambda: 4,
+        catch_up=lambda v: False,
+    )
+
+
+def test_an_async_replica_in_a_formed_group_waits_longer_before_it_fills_in():
+    """Note "patient fill-in": 2 s gaps between a replica's gradients are normal with 4 replicas on a
+    slow machine; the half-timeout cap (2.5 s) made it join with nothing and cut the stage step short."""
+    from peer.policy import AsyncPolicy
+    from peer.replicas import PATIENT_QUIET_S
+
+    rounds = _rounds(AsyncPolicy(), longest_gap_s=3.0)
+    assert rounds.quiet_s() == 2.5  # no group yet: a partner's group search must not time out
+    assert PATIENT_QUIET_S >= 4.5
+    assert rounds.quiet_s(formed=True) == 4.5  # 1.5 x the longest gap, within the patient cap
+    assert _rounds(AsyncPolicy(), longest_gap_s=10.0).quiet_s(formed=True) == PATIENT_QUIET_S
+    assert _rounds(AsyncPolicy(), longest_gap_s=0.4).quiet_s(formed=True) == 1.0  # the floor still holds
+
+
+def test_a_sync_replica_fills_in_as_before_once_its_group_formed():
+    from peer.policy import SyncPolicy
+
+    rounds = _rounds(SyncPolicy(4), longest_gap_s=3.0)
+    assert rounds.quiet_s(formed=True) == rounds.quiet_s() == 2.5  # the window is sent: nothing more comes
