@@ -478,10 +478,13 @@ class StageCompute:
 
     # ---- replica rounds (peer/replicas.py) ---------------------------------------------------
 
-    def quiet_after(self, floor_s: float, cap_s: float) -> float:
+    def quiet_after(self, floor_s: float, cap_s: float, *, unseen_s: float | None = None) -> float:
         """Seconds without a gradient after which this replica's traffic counts as stopped (note
-        "quiet"): 1.5 x the longest of the recent gaps between gradients, within ``[floor_s, cap_s]``."""
+        "quiet"): 1.5 x the longest of the recent gaps between gradients, within ``[floor_s, cap_s]``;
+        before any gap was seen, ``unseen_s`` (default ``floor_s``)."""
         with self.lock:
+            if not self._gaps and unseen_s is not None:
+                return unseen_s
             longest = max(self._gaps, default=0.0)
         return min(cap_s, max(floor_s, QUIET_FACTOR * longest))
 

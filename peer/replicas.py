@@ -378,7 +378,10 @@ class ReplicaRounds:
         (note "patient fill-in")."""
         cap = max(self.config.idle_s, self.timeout_s() / 2)
         if formed and self.compute.policy.patient_fill_in:
+            # without a gap seen yet (the run's first micro-batches, a fresh joiner) the replica has
+            # no idea of its traffic's pace: the whole patient wait
             cap = max(cap, PATIENT_QUIET_S)
+            return self.compute.quiet_after(self.config.idle_s, cap, unseen_s=cap)
         return self.compute.quiet_after(self.config.idle_s, cap)
 
     def timeout_s(self) -> float:

@@ -271,6 +271,7 @@ def test_a_replica_counts_its_traffic_stopped_only_after_a_gap_longer_than_its_r
     comp = StageCompute(spec(accumulate=16), 0, clock=lambda: clock[0])
     comp.replicas = 2
     assert comp.quiet_after(1.0, 5.0) == 1.0  # nothing seen yet: the floor
+    assert comp.quiet_after(1.0, 5.0, unseen_s=4.0) == 4.0  # ... or what the caller asks for then
     for i, at in enumerate([0.5, 1.0, 3.0, 3.2]):  # gaps 0.5, 0.5, 2.0, 0.2 (a loaded machine)
         clock[0] = at
         comp.forward(f"m{i}", tokens(i), "train")

@@ -41,8 +41,10 @@ class _QuietCompute:
         self.policy = policy
         self.longest_gap_s = longest_gap_s
 
-    def quiet_after(self, floor_s, cap_s):  # as StageCompute.quiet_after, with the gaps given
-        return min(cap_s, max(floor_s, 1.5 * self.longest_gap_s))
+    def quiet_after(self, floor_s, cap_s, *, unseen_s=None):  # as StageCompute.quiet_after
+        if self.longest_gap_s is None and unseen_s is not None:
+            return unseen_s
+        return min(cap_s, max(floor_s, 1.5 * (self.longest_gap_s or 0.0)))
 
 
 def _rounds(policy, longest_gap_s):
@@ -70,6 +72,8 @@ def test_an_async_replica_in_a_formed_group_waits_longer_before_it_fills_in():
     assert rounds.quiet_s(formed=True) == 4.5  # 1.5 x the longest gap, within the patient cap
     assert _rounds(AsyncPolicy(), longest_gap_s=10.0).quiet_s(formed=True) == PATIENT_QUIET_S
     assert _rounds(AsyncPolicy(), longest_gap_s=0.4).quiet_s(formed=True) == 1.0  # the floor still holds
+    fresh = _rounds(AsyncPolicy(), longest_gap_s=None)  # no gap seen yet: the run's start, a joiner
+    assert fresh.quiet_s() == 1.0 and fresh.quiet_s(formed=True) == PATIENT_QUIET_S
 
 
 def test_a_sync_replica_fills_in_as_before_once_its_group_formed():
