@@ -44,7 +44,10 @@ its micro-batches, which is what the combined gradient averages with the partner
 forwards during the round run on those weights, stashed with their entry (``StashEntry.params``,
 ``ahead = 1``). The previewed weights are only ever read by this replica's own forwards and
 backwards; the round's combined step is what every replica applies, so replicas still hold the same
-state. A gradient taken on speculative weights counts as one version ahead of the round's version,
+state. The forward gate stays closed while the preview is computed (a few tens of ms), so the forwards
+that queued while the share waited for its round run on the preview too, not on the version the round
+replaces (with 4 replicas a share is one micro-batch, and the next one is usually queued by then).
+A gradient taken on speculative weights counts as one version ahead of the round's version,
 so when the round applies it in the next step its applied staleness is 0. Measured (BENCHMARKS.md
 "Convergence", 2 x 2 async, 3 seeds, same load): applied staleness 0.58-0.64 / 0.29-0.33 (stage 0 /
 stage 1) -> 0.42-0.43 / 0.02-0.06, held-out ratio 1.069 -> 1.036.
@@ -156,6 +159,7 @@ class StageCompute:
         # note "speculative rounds": on by default for async replicas; peer/replicas.py may turn it off
         self.speculate = self.policy.speculates
         self._speculative: Params | None = None  # weights training forwards use while a round runs
+        self._previewing = False  # the preview is being computed: forwards wait for it (gate closed)
         # note "emulated compute": (forward, backward) seconds a micro-batch occupies this stage at least
         self.emulate_s = emulate_s
 
@@ -178,7 +182,7 @@ class StageCompute:
         # No lock on purpose: the queue calls this while holding its own lock, and compute code
         # notifies the queue while holding ours; reading a few ints needs no lock (lock order stays
         # one-way: compute lock -> queue lock).
-        if self._ready:
+        if self._ready or self._previewing:
             return False
         return self.policy.forward_allowed(round_active=self._round_active, replicas=self.replicas)
 
@@ -575,12 +579,19 @@ class StageCompute:
             self._round_active = True
             version = self.version
             twin = self.optimizer.twin() if self.speculate and share.count > 0 and self.replicas > 1 else None
+            # the forwards queued while this share waited would otherwise run on the version the round
+            # replaces (a version stale) before the preview lands: the gate stays closed until it does
+            self._previewing = twin is not None
         self.on_gate_change()
         if twin is not None:  # note "speculative rounds"; the twin's step runs outside the lock
-            served = twin.step_with([g / share.count for g in share.sums])
-            with self.lock:
-                if self._active is share and self.version == version:
-                    self._speculative = served
+            try:
+                served = twin.step_with([g / share.count for g in share.sums])
+                with self.lock:
+                    if self._active is share and self.version == version:
+                        self._speculative = served
+            finally:
+                self._previewing = False
+                self.on_gate_change()
         return share.sums, share.count, version
 
     def end_round(

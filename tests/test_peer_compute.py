@@ -179,6 +179,36 @@ def test_an_async_replica_serves_the_step_it_previews_while_its_round_runs():
     assert comp.optimizer.staleness == 0.0 and comp.version == 2
 
 
+def test_the_forward_gate_stays_closed_until_the_preview_is_served():
+    """Forwards queued behind a complete share run on the preview, not on the version the round replaces."""
+    comp = StageCompute(spec(accumulate=4, name="muon"), 0)
+    comp.replicas = 2
+    for i, mb in enumerate("ab"):
+        comp.forward(mb, tokens(i), "train")
+        comp.backward(mb, grad(i))
+    assert not comp.forward_allowed()  # the complete share waits for its round
+    gate_while_previewing = []
+    twin_step = comp.optimizer.twin
+
+    def spying_twin():
+        twin = twin_step()
+        step_with = twin.step_with
+
+        def step(mean):
+            gate_while_previewing.append(comp.forward_allowed())
+            return step_with(mean)
+
+        twin.step_with = step
+        return twin
+
+    comp.optimizer.twin = spying_twin
+    opened = []
+    comp.on_gate_change = lambda: opened.append(comp.forward_allowed())
+    comp.take_round()
+    assert gate_while_previewing == [False]  # closed while the twin steps
+    assert opened[-1] is True and comp._speculative is not None  # open once the preview is served
+
+
 def test_a_failed_round_drops_the_preview_and_sync_replicas_never_preview():
     comp = StageCompute(spec(accumulate=4), 0)
     comp.replicas = 2
