@@ -60,6 +60,14 @@ hivemind's ``next_chunk_timeout``, ``ALLREDUCE_MARGIN_S``), an async replica may
 complete have closed their forward gates (``StageCompute.forward_allowed``), so the router's queue
 weights send the next micro-batches to this replica. In sync mode nothing more comes once the window
 is sent, so the cap stays.
+
+Note "settled share": in sync mode the trainer's next window closes a replica's share; after the last
+window nothing will, so a replica with nothing in flight that got no gradient for a while closes it
+itself (``StageCompute.round_due``). That wait was the quiet threshold (1-2.5 s), shorter than a window
+takes with 4 replicas per stage on 2 cores (~2.4 s): a replica whose micro-batch of the window came early
+closed its share mid-window, its round stepped on part of the window, and the window's later
+micro-batches were applied one version late (4 x 2 sync runs: applied staleness 0.15-0.19, 185 stage steps
+for 150, held-out ratio 1.041). It is now at least ``SETTLE_S``: the end of a run waits a few seconds more.
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ __all__ = ["ReplicaRounds", "RoundsConfig", "round_outcome"]
 logger = logging.getLogger(__name__)
 
 PATIENT_QUIET_S = ALLREDUCE_MARGIN_S / 2  # note "patient fill-in": well inside the all-reduce's chunk wait
+SETTLE_S = ALLREDUCE_MARGIN_S / 2  # note "settled share": a sync replica's idle wait before it closes a share
 DIGEST_RTOL = 1e-4  # weight digests of replicas that differ by rounding only agree far closer than this
 
 
@@ -234,7 +243,7 @@ class ReplicaRounds:
             return
         self._check_scheduled()
         quiet = self.quiet_s()
-        if compute.round_due(quiet):
+        if compute.round_due(self.settle_s(quiet)):
             self.run_round()
         elif self._scheduled is not None:
             # our group is complete and its other members wait for us, but our traffic stopped
@@ -383,6 +392,12 @@ class ReplicaRounds:
             cap = max(cap, PATIENT_QUIET_S)
             return self.compute.quiet_after(self.config.idle_s, cap, unseen_s=cap)
         return self.compute.quiet_after(self.config.idle_s, cap)
+
+    def settle_s(self, quiet_s: float) -> float:
+        """Sync mode: a replica idle this long closes its share by itself (note "settled share"). Only the
+        trainer's next window closes a share during training; this is for the end of the run, so it must
+        be longer than a window can take on a slow machine."""
+        return max(quiet_s, SETTLE_S)
 
     def timeout_s(self) -> float:
         """How long the next round waits for a full group (see ``RoundsConfig.min_timeout_s``)."""

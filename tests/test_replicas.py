@@ -81,3 +81,14 @@ def test_a_sync_replica_fills_in_as_before_once_its_group_formed():
 
     rounds = _rounds(SyncPolicy(4), longest_gap_s=3.0)
     assert rounds.quiet_s(formed=True) == rounds.quiet_s() == 2.5  # the window is sent: nothing more comes
+
+
+def test_a_sync_replica_closes_its_share_by_itself_only_after_a_window_could_have_ended():
+    """Note "settled share": a window takes ~2.4 s with 4 replicas on 2 cores; settling after the quiet
+    threshold (1-2.5 s) closed shares mid-window."""
+    from peer.policy import SyncPolicy
+    from peer.replicas import SETTLE_S
+
+    rounds = _rounds(SyncPolicy(4), longest_gap_s=1.0)
+    assert rounds.settle_s(rounds.quiet_s()) == SETTLE_S >= 5.0
+    assert rounds.settle_s(7.0) == 7.0
