@@ -240,10 +240,17 @@ def peer_counters(logs: Path, stages: int) -> list[dict[str, float]]:
     for s in range(stages):
         counters: dict[str, float] = {}
         for path in sorted(logs.glob(f"peer-s{s}-*.log")):
-            for m in _STOPPING.finditer(path.read_text(errors="replace")):
-                counters = json.loads(m.group(1))
+            counters = peer_stop_counters(path) or counters
         out.append(counters)
     return out
+
+
+def peer_stop_counters(path: Path) -> dict[str, float]:
+    """The counters of the last stop line in one peer's log ({} when it wrote none: killed, or still running)."""
+    counters: dict[str, float] = {}
+    for m in _STOPPING.finditer(path.read_text(errors="replace")):
+        counters = json.loads(m.group(1))
+    return counters
 
 
 def run_all(

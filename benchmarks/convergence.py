@@ -570,6 +570,7 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     leftovers = demo.leftovers()
+    rounds = round_counters(demo.logs, spec.num_stages)
     model = load_model(work / "export")
     token_data, _ = build_data(dcfg, seq_len=spec.model.seq_len, vocab_size=spec.model.vocab_size)
     eval_loss, held = held_out_loss(model, token_data, batch=spec.micro_batch_size, tokens=cfg.eval_tokens)
@@ -606,7 +607,24 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
         "staleness": summary.get("staleness"),  # per stage: mean versions between forward and backward
         "applied_staleness": summary.get("applied_staleness"),  # ... and the step that applied it
         "leftover_pids": leftovers,
+        "rounds": rounds,
     }
+
+
+ROUND_COUNTERS = ("rounds", "rounds_failed", "solo_steps", "caught_up", "diverged", "micro_batches_combined")
+
+
+def round_counters(logs: Path, stages: int) -> dict[str, list[dict[str, int]]]:
+    """Per stage, each peer's replica-round counters (peer/replicas.py) from its stop line: how the
+    stage's steps came about (rounds, solo steps after failed rounds, catch-up downloads). A peer killed
+    by churn writes no stop line and is missing here."""
+    from benchmarks.bubbles import peer_stop_counters
+
+    out: dict[str, list[dict[str, int]]] = {}
+    for s in range(stages):
+        found = [c for c in (peer_stop_counters(p) for p in sorted(logs.glob(f"peer-s{s}-*.log"))) if c]
+        out[str(s)] = [{k: int(c.get(k, 0)) for k in ROUND_COUNTERS} for c in found]
+    return out
 
 
 def _worker_main(job_path: str, out_path: str) -> int:

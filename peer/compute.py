@@ -423,13 +423,18 @@ class StageCompute:
             self._merge_ready()
             if self.optimizer.pending == 0:
                 return False
-            served = self.optimizer.step()
+            served = self.optimizer.step(weight=self._step_weight(self.optimizer.pending))
             self._pending_forwards = 0
             self._push_version(served)
             self.steps_taken += 1
             self.policy.reset_window()
         self.on_gate_change()
         return True
+
+    def _step_weight(self, count: int) -> float:
+        """The learning-rate fraction of a step on ``count`` micro-batches (note "token-weighted steps"
+        in swarm/run/optimizer.py)."""
+        return min(1.0, count / self.spec.optimizer.accumulate) if count > 0 else 1.0  # 0: an empty round, no step
 
     # ---- state transfer, averaging, checkpoints ------------------------------------------------
 
@@ -595,11 +600,18 @@ class StageCompute:
         return share.sums, share.count, version
 
     def end_round(
-        self, mean: list[torch.Tensor] | None, version: int, back: tuple[list[torch.Tensor], int] | None
+        self,
+        mean: list[torch.Tensor] | None,
+        version: int,
+        back: tuple[list[torch.Tensor], int] | None,
+        *,
+        combined: int | None = None,
     ) -> bool:
-        """Finish a round: step with the combined ``mean`` gradient if this replica still is at ``version``
-        (True), or give ``back`` the taken share when the round failed (the next round retries it
-        first). Returns whether it stepped."""
+        """Finish a round: step with the combined ``mean`` gradient of ``combined`` micro-batches (the
+        whole group's) if this replica still is at ``version`` (True), or give ``back`` the taken share
+        when the round failed (the next round retries it first). Returns whether it stepped. A round of
+        fewer than ``accumulate`` micro-batches takes that fraction of a step (note "token-weighted
+        steps" in swarm/run/optimizer.py)."""
         stepped = False
         with self.lock:
             active, self._active = self._active, None
@@ -610,7 +622,8 @@ class StageCompute:
             if mean is not None and self.version == version:
                 if active is not None and active.count:  # note "applied staleness"
                     self.optimizer.note_staleness(version - forwards / active.count, active.count)
-                served = self.optimizer.step_with(mean)
+                weight = 1.0 if combined is None else self._step_weight(combined)
+                served = self.optimizer.step_with(mean, weight=weight)
                 self._push_version(served)
                 self.steps_taken += 1
                 self.policy.reset_window()

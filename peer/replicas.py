@@ -335,10 +335,11 @@ class ReplicaRounds:
             mean = self._unflatten(flat / mean_count)
         elif outcome.step and mean_count > 0:
             logger.warning("stage %d: a gradient round returned NaN or Inf; not applied", compute.stage)
-        stepped = compute.end_round(mean, version, None)
+        combined = round(mean_count * len(gathered))
+        stepped = compute.end_round(mean, version, None, combined=combined)
         if stepped:
             self.counters["rounds"] += 1
-            self.counters["micro_batches_combined"] += round(mean_count * len(gathered))
+            self.counters["micro_batches_combined"] += combined
         if outcome.diverged:
             self.counters["diverged"] += 1
             logger.warning(

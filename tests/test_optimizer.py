@@ -119,6 +119,27 @@ def test_lr_schedule_is_followed():
     assert moves[0] == pytest.approx(0.5) and moves[1] == pytest.approx(1.0) and moves[3] < moves[2]
 
 
+@pytest.mark.parametrize("name", ["adamw", "muon", "nesterov"])
+def test_a_step_on_part_of_the_micro_batches_takes_that_part_of_the_learning_rate(name):
+    # note "token-weighted steps": the same gradient at weight 1/4 moves the weights 1/4 as far
+    # (no weight decay, one step from fresh moments, so the update is linear in lr)
+    cfg = OptimizerConfig(name=name, lr=1e-2, momentum=0.0, weight_decay=0.0, clip_norm=None, accumulate=4)
+    p0 = {"layers.0.w": torch.randn(8, 6, generator=torch.Generator().manual_seed(3)), "b": torch.randn(5)}
+    g = {n: torch.randn_like(p) for n, p in p0.items()}
+    full, part = StageOptimizer(p0, cfg), StageOptimizer(p0, cfg)
+    full.accumulate(g)
+    part.accumulate(g)
+    moved_full, moved_part = full.step(), part.step(weight=0.25)
+    for n, p in p0.items():
+        torch.testing.assert_close(moved_part[n] - p, 0.25 * (moved_full[n] - p), rtol=1e-4, atol=1e-7)
+    assert part.step_count == 1  # the schedule still counts it as a step
+    for bad in (0.0, 1.5, -1.0):
+        part.accumulate(g)
+        with pytest.raises(ValueError, match="step weight"):
+            part.step(weight=bad)
+    assert part.step_count == 1 and part.pending == 3  # refused: nothing changed
+
+
 def test_state_round_trip_and_shape_check():
     cfg = OptimizerConfig(name="adamw", lr=1e-2)
     a = StageOptimizer(_params(), cfg)

@@ -128,6 +128,38 @@ def test_a_replica_steps_only_through_rounds_with_the_combined_gradient():
     assert not comp.end_round([s for s in sums], version - 1, None)
 
 
+def test_a_round_or_a_flush_on_part_of_a_step_takes_that_part_of_a_step():
+    # note "token-weighted steps": a round that combined 2 of accumulate's 4 micro-batches (a partner
+    # filled in with nothing) steps at half the learning rate; a replica flushing 1 at a quarter
+    def moved(a, b):
+        return [b[n] - a[n] for n in a]
+
+    comp = StageCompute(spec(accumulate=4, name="adamw", weight_decay=0.0), 0)
+    comp.replicas = 2
+    comp.speculate = False
+    for i, mb in enumerate("ab"):
+        comp.forward(mb, tokens(i), "train")
+        comp.backward(mb, grad(i))
+    before = comp.params()
+    sums, count, version = comp.take_round()
+    ref = StageCompute(spec(accumulate=2, name="adamw", weight_decay=0.0), 0)
+    for i, mb in enumerate("ab"):  # the same two micro-batches as a full step of accumulate 2
+        ref.forward(mb, tokens(i), "train")
+        ref.backward(mb, grad(i))
+    assert comp.end_round([s / count for s in sums], version, None, combined=2)
+    for got, full in zip(moved(before, comp.params()), moved(before, ref.params()), strict=True):
+        torch.testing.assert_close(got, 0.5 * full, rtol=1e-4, atol=1e-7)
+    comp.forward("c", tokens(2), "train")
+    comp.backward("c", grad(2))
+    opt = comp.optimizer
+    full = opt.twin().step_with([opt.grads[n] / opt.pending for n in opt.names])  # the same step at weight 1
+    before = comp.params()
+    assert comp.flush_step() and comp.version == 2  # alone, with the 1 micro-batch it holds
+    for got, whole in zip(moved(before, comp.params()), moved(before, full), strict=True):
+        torch.testing.assert_close(got, 0.25 * whole, rtol=1e-4, atol=1e-7)
+    assert comp.optimizer.step_count == 2
+
+
 def test_a_replicas_staleness_is_counted_when_its_round_applies_the_share():
     comp = StageCompute(spec(accumulate=4), 0)
     comp.replicas = 2

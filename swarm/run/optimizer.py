@@ -78,6 +78,14 @@ parameter order, so ``adamw`` and ``nesterov`` keep exactly the layout they alwa
 Accumulation: gradients of ``accumulate`` micro-batches are summed and then averaged at the step
 (the count is taken at backward completion). Clipping is by the global norm of the stage's averaged
 gradient. Learning rate: ``OptimizerConfig.lr_at(step)`` (constant or cosine with warmup).
+
+Token-weighted steps (note "token-weighted steps"): a step may combine fewer than ``accumulate``
+micro-batches -- a replica round where a replica had nothing to give (peer/replicas.py, "fill in"), a
+replica stepping alone with what it holds, a peer flushing before it leaves. Such a step takes
+``weight = count / accumulate`` of the scheduled learning rate (``step(weight=)``), so the learning
+rate summed over a run's steps stays that of one process taking a full step every ``accumulate``
+micro-batches, however the micro-batches were grouped. A step is never above the schedule's rate
+(weight at most 1), so a round that combined more than ``accumulate`` keeps the full rate.
 """
 
 from __future__ import annotations
@@ -222,9 +230,10 @@ class StageOptimizer:
                 self.grads[n].add_(g.to(self.grads[n].device, self.grads[n].dtype))
         self.pending += count
 
-    def step_with(self, mean_grads: list[torch.Tensor]) -> Params:
+    def step_with(self, mean_grads: list[torch.Tensor], *, weight: float = 1.0) -> Params:
         """One step with the given *mean* gradient (the replicas' combined one) instead of the local
-        accumulator, which is left as it is (backwards that arrived during the round stay in it)."""
+        accumulator, which is left as it is (backwards that arrived during the round stay in it);
+        ``weight`` as in :meth:`step`."""
         kept, kept_count = self.grads, self.pending
         device = next(iter(self.params.values())).device
         self.grads = {
@@ -232,7 +241,7 @@ class StageOptimizer:
         }  # copies: step() zeroes them
         self.pending = 1  # step() divides by pending: the gradient is already a mean
         try:
-            return self.step()
+            return self.step(weight=weight)
         finally:
             self.grads, self.pending = kept, kept_count
 
@@ -248,10 +257,15 @@ class StageOptimizer:
     # ---- the step ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self) -> Params:
-        """Apply the accumulated gradients; return the new served weights (new tensors)."""
+    def step(self, *, weight: float = 1.0) -> Params:
+        """Apply the accumulated gradients; return the new served weights (new tensors).
+
+        ``weight`` in (0, 1] scales this step's learning rate (note "token-weighted steps"): a step
+        on fewer than ``accumulate`` micro-batches moves the weights that fraction of a full step."""
         if self.pending == 0:
             raise RuntimeError("step() without accumulated gradients")
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"step weight {weight!r} must be in (0, 1]: the fraction of a full step's micro-batches")
         grads = {n: g / self.pending for n, g in self.grads.items()}  # average over micro-batches
         total_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
         self.last_grad_norm = total_norm
@@ -260,14 +274,14 @@ class StageOptimizer:
             scale = clip / (total_norm + 1e-6)
             grads = {n: g * scale for n, g in grads.items()}
             self.clipped_steps += 1
-        lr = self.cfg.lr_at(self.step_count)
+        lr = weight * self.cfg.lr_at(self.step_count)
         before = self.params
         if self.cfg.name == "nesterov":
             self._nesterov(grads, lr)
         else:
             self._adamw(grads, lr)  # every parameter of adamw; the non-matrices of muon
             if self.matrices:
-                self._muon(grads, self.cfg.muon_lr_at(self.step_count))
+                self._muon(grads, weight * self.cfg.muon_lr_at(self.step_count))
         if self.lookahead:
             self._delta = {n: p - before[n] for n, p in self.params.items()}
         self.step_count += 1
