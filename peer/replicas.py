@@ -36,8 +36,9 @@ Consistency (checked on every round, from what the members ``gather``):
   others stepped) contributes its gradient but does not step: it downloads the state of a replica
   at the newest version (:meth:`StageCompute.adopt_state`, which keeps its stash and its pending
   gradients) -- it catches up by download, never by diverging;
-- members at the same version compare weight digests; one that differs from the group's lowest
-  peer id beyond rounding (``DIGEST_RTOL``) downloads too (``diverged`` counts it).
+- members at the same version compare weight digests; one that differs beyond rounding
+  (``DIGEST_RTOL``) from the digest most of them agree with (on a tie, the lowest peer id's) downloads
+  too (``diverged`` counts it): it does not step, so the state it downloads is the group's next one.
 
 When no full group forms within ``timeout_s`` the taken gradients go back into the accumulator and
 the round is retried. After ``max_failed_rounds`` failures in a row (a replica died and its record
@@ -142,14 +143,24 @@ def _close(a: list[float], b: list[float]) -> bool:
     return all(math.isclose(x, y, rel_tol=DIGEST_RTOL, abs_tol=1e-6) for x, y in zip(a, b, strict=True))
 
 
+def _reference_digest(members: list[dict[str, Any]]) -> list[float] | None:
+    """The weights' digest most of ``members`` (same version, in peer-id order) agree with; on a tie the
+    first's. A replica that stepped alone (its rounds failed, or it counted itself alone) must not make
+    the group's other members throw their step away for its weights."""
+    digests = [list(m["digest"]) for m in members if m.get("digest") is not None]
+    if not digests:
+        return None
+    agree = [sum(_close(d, other) for other in digests) for d in digests]
+    return digests[agree.index(max(agree))]
+
+
 def round_outcome(me: str, version: int, gathered: dict[str, dict[str, Any]]) -> Outcome:
     """Decide from the members' ``{"version", "digest"}`` whether ``me`` steps or catches up (pure)."""
     versions = {pid: int(g.get("version", -1)) for pid, g in gathered.items()}
     newest = max(versions.values(), default=version)
     if version < newest:
         return Outcome(step=False, catch_up=True, newest=newest)
-    peers = sorted(pid for pid, v in versions.items() if v == version)
-    reference = gathered[peers[0]].get("digest") if peers else None
+    reference = _reference_digest([gathered[pid] for pid in sorted(versions) if versions[pid] == version])
     mine = gathered.get(me, {}).get("digest")
     if reference is not None and mine is not None and not _close(list(reference), list(mine)):
         return Outcome(step=False, catch_up=True, newest=newest, diverged=True)

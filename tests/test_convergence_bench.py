@@ -269,6 +269,8 @@ def test_convergence_benchmark_end_to_end(tmp_path):
     assert swarm["completed"] == 16 and swarm["dropped"] == 0 and swarm["tokens_per_s"] > 0
     assert [s["step_count"] for s in swarm["export"]["stages"]] == [8, 8]
     assert swarm["leftover_pids"] == [] and swarm["peers_killed"] == 0
+    # each stage peer's stop line was found; one peer per stage steps alone: no rounds
+    assert {s: [c["rounds"] for c in peers] for s, peers in swarm["rounds"].items()} == {"0": [0], "1": [0]}
     [row] = [r for r in report["analysis"]["rows"] if r["config"] == "p1-sync-none"]
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-3) and row["met"] is True
     stored = json.loads((tmp_path / "conv_smoke.json").read_text())

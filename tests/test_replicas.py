@@ -26,6 +26,20 @@ def test_a_member_whose_weights_diverged_downloads_the_reference_ones():
     assert not out.step and out.catch_up and out.diverged
 
 
+def test_the_majority_of_a_group_keeps_its_weights_against_a_lone_stepper():
+    # "A" stepped alone after failed rounds: its weights differ from B's and C's at the same version;
+    # the lowest peer id must not make the two others throw their step away for its weights
+    odd = [10.5, 4.0, 2.0]
+    gathered = {
+        "A": {"version": 2, "digest": odd},
+        "B": {"version": 2, "digest": D},
+        "C": {"version": 2, "digest": D},
+    }
+    out = round_outcome("A", 2, gathered)
+    assert not out.step and out.catch_up and out.diverged
+    assert round_outcome("B", 2, gathered).step and round_outcome("C", 2, gathered).step
+
+
 def test_a_member_without_a_digest_is_not_judged():
     gathered = {"A": {"version": 1}, "B": {"version": 1, "digest": D}}
     assert round_outcome("B", 1, gathered).step and round_outcome("A", 1, gathered).step

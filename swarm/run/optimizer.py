@@ -265,7 +265,9 @@ class StageOptimizer:
         if self.pending == 0:
             raise RuntimeError("step() without accumulated gradients")
         if not 0.0 < weight <= 1.0:
-            raise ValueError(f"step weight {weight!r} must be in (0, 1]: the fraction of a full step's micro-batches")
+            raise ValueError(
+                f"step weight {weight!r} must be in (0, 1]: the fraction of a full step's micro-batches"
+            )
         grads = {n: g / self.pending for n, g in self.grads.items()}  # average over micro-batches
         total_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
         self.last_grad_norm = total_norm
