@@ -434,9 +434,9 @@ class StageCompute:
     def _step_weight(self, count: int) -> float:
         """The learning-rate fraction of a step on ``count`` micro-batches (note "token-weighted steps"
         in swarm/run/optimizer.py)."""
-        return (
-            min(1.0, count / self.spec.optimizer.accumulate) if count > 0 else 1.0
-        )  # 0: an empty round, no step
+        if count <= 0:  # an empty round: nothing is applied anyway
+            return 1.0
+        return min(1.0, count / self.spec.optimizer.accumulate)
 
     # ---- state transfer, averaging, checkpoints ------------------------------------------------
 
