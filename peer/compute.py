@@ -52,6 +52,13 @@ so when the round applies it in the next step its applied staleness is 0. Measur
 "Convergence", 2 x 2 async, 3 seeds, same load): applied staleness 0.58-0.64 / 0.29-0.33 (stage 0 /
 stage 1) -> 0.42-0.43 / 0.02-0.06, held-out ratio 1.069 -> 1.036.
 
+The preview's Muon steps take ``PREVIEW_NS_STEPS`` = 3 Newton-Schulz iterations instead of 5: a preview
+is an estimate of the combined step either way, and on this machine a Muon step of the demo's stage is
+~40 ms, half of a round's CPU. ``python -m benchmarks.preview_error`` measures how far a preview's
+matrices land from the combined step's, relative to the step (BENCHMARKS.md "Demo throughput"): with 2
+replicas 0.73 at 5 iterations, 0.79 at 3 (1.0 is no preview); with 4, where a share is one micro-batch,
+0.92 at 5 and 0.89 at 3. Three keep most of what the preview is worth for 60% of its matrix products.
+
 Thread-safety: the worker thread calls forward/backward; other threads (averaging, state download,
 checkpoints, replica rounds) call :meth:`export_state`, :meth:`take_round`, :meth:`end_round`,
 :meth:`adopt_state`. Every access to versions, stash and
@@ -86,6 +93,9 @@ __all__ = ["StageCompute", "ForwardResult", "BackwardResult"]
 # steps short (2 x 2 runs exported 160-214 stage steps for 150).
 QUIET_FACTOR = 1.5
 GAPS_KEPT = 32
+PREVIEW_NS_STEPS = (
+    3  # Newton-Schulz iterations of a speculative preview's Muon steps (note "speculative rounds")
+)
 
 logger = logging.getLogger(__name__)
 
@@ -585,7 +595,11 @@ class StageCompute:
             self._active = share
             self._round_active = True
             version = self.version
-            twin = self.optimizer.twin() if self.speculate and share.count > 0 and self.replicas > 1 else None
+            twin = (
+                self.optimizer.twin(ns_steps=PREVIEW_NS_STEPS)
+                if self.speculate and share.count > 0 and self.replicas > 1
+                else None
+            )
             # the forwards queued while this share waited would otherwise run on the version the round
             # replaces (a version stale) before the preview lands: the gate stays closed until it does
             self._previewing = twin is not None

@@ -411,3 +411,16 @@ def test_lookahead_extrapolates_by_the_staleness_and_is_off_without_it():
     off = StageOptimizer(_muon_params(), OptimizerConfig(name="muon", lookahead=0.0))
     off.accumulate(_muon_grads(0), staleness=5)
     assert off.step() is off.params
+
+
+def test_a_twin_with_fewer_newton_schulz_iterations_changes_only_the_muon_matrices():
+    torch.manual_seed(0)
+    params = {"layers.0.w": torch.randn(8, 16), "embed.weight": torch.randn(4, 8)}
+    opt = StageOptimizer(params, OptimizerConfig(name="muon", lr=1e-2))
+    mean = [torch.randn(8, 16), torch.randn(4, 8)]
+    full, cheap = opt.twin().step_with(mean), opt.twin(ns_steps=2).step_with(mean)
+    assert opt.ns_steps == 5 and opt.step_count == 0  # the twins changed nothing of the optimizer
+    assert not torch.equal(full["layers.0.w"], cheap["layers.0.w"])
+    torch.testing.assert_close(full["embed.weight"], cheap["embed.weight"])
+    with pytest.raises(ValueError, match="ns_steps=0"):
+        opt.twin(ns_steps=0)

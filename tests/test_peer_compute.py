@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from peer.compute import StageCompute
+from peer.compute import PREVIEW_NS_STEPS, StageCompute
 from peer.stash import VersionEvicted
 from swarm.errors import RequestError
 from swarm.run.spec import RunSpec
@@ -196,10 +196,19 @@ def test_an_async_replica_serves_the_step_it_previews_while_its_round_runs():
     assert entry.version == 0 and entry.ahead == 1 and entry.params is not None
     assert any(not torch.equal(entry.params[n], p) for n, p in comp.params().items())
     comp.forward("e", tokens(4), "eval")  # only training forwards speculate
-    # the partner's share had the same mean: the step taken is the one previewed
-    assert comp.end_round([s / count for s in sums], version, None)
-    for n, t in comp.params().items():
-        torch.testing.assert_close(t, entry.params[n])
+    # the partner's share had the same mean: the preview is that step with fewer Newton-Schulz iterations
+    mean = [s / count for s in sums]
+    previewed = comp.optimizer.twin(ns_steps=PREVIEW_NS_STEPS).step_with(mean)
+    for n, p in previewed.items():
+        torch.testing.assert_close(entry.params[n], p)
+    assert comp.end_round(mean, version, None)
+    matrices = set(comp.optimizer.matrices)
+    assert matrices
+    for n, t in comp.params().items():  # the combined step: the same AdamW part, Muon's at 5 iterations
+        if n in matrices:
+            assert not torch.equal(t, entry.params[n])
+        else:
+            torch.testing.assert_close(t, entry.params[n])
     assert comp.stash.get("c").params is not None  # the backward still runs on what the forward ran on
     comp.backward("c", grad(2))
     comp.forward("d", tokens(3), "train")  # after the round: version 1's own weights
@@ -222,8 +231,8 @@ def test_the_forward_gate_stays_closed_until_the_preview_is_served():
     gate_while_previewing = []
     twin_step = comp.optimizer.twin
 
-    def spying_twin():
-        twin = twin_step()
+    def spying_twin(**kw):
+        twin = twin_step(**kw)
         step_with = twin.step_with
 
         def step(mean):

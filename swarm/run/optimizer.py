@@ -158,6 +158,7 @@ class StageOptimizer:
         self.grads: Params = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.pending = 0  # micro-batches accumulated since the last step
         self.step_count = 0  # optimizer steps taken (drives the LR schedule)
+        self.ns_steps = _NS_STEPS  # Newton-Schulz iterations per Muon step (a preview's twin takes fewer)
         self.staleness = 0.0  # EMA of versions elapsed between forward and backward
         self.last_grad_norm = 0.0
         self.clipped_steps = 0
@@ -245,13 +246,18 @@ class StageOptimizer:
         finally:
             self.grads, self.pending = kept, kept_count
 
-    def twin(self) -> StageOptimizer:
+    def twin(self, *, ns_steps: int | None = None) -> StageOptimizer:
         """A copy that can step without changing this optimizer: its own optimizer state (cloned), the
         same immutable parameter tensors. ``twin().step_with(mean)`` previews the weights a round with
-        that mean gradient would serve (peer/compute.py, note "speculative rounds")."""
+        that mean gradient would serve (peer/compute.py, note "speculative rounds"); ``ns_steps`` makes
+        the twin's Muon steps cheaper (fewer Newton-Schulz iterations: an approximate preview)."""
+        if ns_steps is not None and ns_steps < 1:
+            raise ValueError(f"ns_steps={ns_steps!r}: a Muon step needs at least one Newton-Schulz iteration")
         twin = copy.copy(self)
         twin.state = {slot: {n: t.clone() for n, t in slots.items()} for slot, slots in self.state.items()}
         twin.grads = {}  # step_with replaces it; nothing of ours is zeroed
+        if ns_steps is not None:
+            twin.ns_steps = ns_steps
         return twin
 
     # ---- the step ----------------------------------------------------------------------------
@@ -314,7 +320,7 @@ class StageOptimizer:
         for n in self.matrices:
             p, m, g = self.params[n], self.state["muon_momentum"][n], grads[n]
             m.lerp_(g, 1.0 - mu)  # private slot: in place is safe
-            update = newton_schulz(g.lerp(m, mu))  # Nesterov: (1 - mu) g + mu m; (rows, cols)
+            update = newton_schulz(g.lerp(m, mu), self.ns_steps)  # Nesterov: (1 - mu) g + mu m; (rows, cols)
             scale = _MUON_RMS * math.sqrt(max(p.shape))
             base = p * (1.0 - lr * wd) if wd else p
             new[n] = base.add(update, alpha=-lr * scale)  # out of place: a new tensor
