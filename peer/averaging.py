@@ -17,13 +17,16 @@ the most advanced replica. State downloads travel as one flat tensor, unflattene
 receiver's own shapes (which also checks their total size).
 
 Gradient rounds (``combine``; the protocol is in peer/replicas.py): the averager's buffer is ONE
-flat float32 shared-memory tensor of ``gradient numel + 1``: the replica's gradient *sums* and, as
-the last element, its micro-batch count. Every member takes part with weight 1, so the average is
-``(mean of sums, mean of counts)`` and their ratio is the stage's mean gradient over every
-micro-batch of the round, whatever each replica contributed (0 included). The group size is set
-per round to the number of online replicas (min = target, so a round never splits the stage into
-groups that step differently), and each member's version and weight digest travel in hivemind's
-``gather``. A round blocks, so it runs in the replica rounds' thread, never on the event loop.
+flat float32 shared-memory tensor: the replica's gradient *sums* and, after them, its micro-batch
+count, laid out with a sentinel every ``SENTINEL_EVERY`` elements (peer/round_buffer.py, note
+"partial rounds": hivemind returns a round whose spans did not all arrive as a success, with this
+replica's own values in the missing spans; the sentinels show it, ``RoundResult.missing``). Every
+member takes part with weight 1, so the average is ``(mean of sums, mean of counts)`` and their
+ratio is the stage's mean gradient over every micro-batch of the round, whatever each replica
+contributed (0 included). The group size is set per round to the number of online replicas (min =
+target, so a round never splits the stage into groups that step differently), and each member's
+version, weight digest and sentinel travel in hivemind's ``gather``. A round blocks, so it runs in
+the replica rounds' thread, never on the event loop.
 
 Access (private runs, allow/deny lists; see swarm/dht/auth.py): hivemind's averaging RPCs carry no room
 for our proofs, so the averager process keeps a set of *authorized peer ids* (digests in shared
@@ -47,15 +50,26 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, get_type_hints
+from typing import Any, NamedTuple, get_type_hints
 
 import torch
 
-__all__ = ["StageAverager", "averager_prefix"]
+from peer.round_buffer import RoundBuffer
+
+__all__ = ["RoundResult", "StageAverager", "averager_prefix"]
 
 logger = logging.getLogger(__name__)
 
 StateFn = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+class RoundResult(NamedTuple):
+    """What a completed gradient round left in this replica's buffer."""
+
+    sums: torch.Tensor  # the members' mean gradient sums, flat
+    count: float  # the members' mean micro-batch count
+    gathered: dict[str, Any]  # each member's peer id -> its ``gather``
+    missing: float | None  # the buffer's share whose average did not arrive (note "partial rounds")
 
 
 class RoundAborted(Exception):
@@ -274,10 +288,12 @@ class StageAverager:
         self.shapes = shapes  # of the downloadable state
         self.grad_numel = grad_numel
         self.prefix = prefix
+        self.layout = RoundBuffer(grad_numel + 1)  # the gradient sums, then the count
         self.rounds_ok = 0
         self.rounds_failed = 0
         self._lock = threading.Lock()  # one round at a time
         self._group_size = 0
+        self._sentinel: tuple[int, float] | None = None  # (id of the scheduled control, its sentinel)
 
     @classmethod
     def create(
@@ -305,7 +321,7 @@ class StageAverager:
         prefix = averager_prefix(run_id, spec_hash, stage)
         sizes = [t if isinstance(t, torch.Size) else t.shape for t in shapes]
         grad_numel = sum(s.numel() for s in grad_shapes)
-        buffer = torch.zeros(grad_numel + 1, dtype=torch.float32)  # (gradient sums, count), flattened
+        buffer = torch.zeros(RoundBuffer(grad_numel + 1).size, dtype=torch.float32)  # sums, count, sentinels
         averager = averager_cls(
             [buffer],
             dht,
@@ -393,15 +409,18 @@ class StageAverager:
             if group_size != self._group_size:
                 self._averager.set_group_size(group_size)
                 self._group_size = group_size
+            sentinel = self.layout.draw_sentinel()  # note "partial rounds"
             # no retries: a retry after a partial all-reduce would start from a half-averaged buffer
-            return self._averager.step(
+            control = self._averager.step(
                 weight=1.0,
-                gather=gather,
+                gather={**gather, "sentinel": sentinel},
                 timeout=timeout_s,
                 allow_retries=False,
                 require_trigger=True,
                 wait=False,
             )
+            self._sentinel = (id(control), sentinel)
+            return control
 
     @staticmethod
     def group_formed(control: Any) -> bool:
@@ -424,7 +443,7 @@ class StageAverager:
         *,
         timeout_s: float,
         abort: Callable[[], str | None] | None = None,
-    ) -> tuple[torch.Tensor, float, dict[str, Any]] | None:
+    ) -> RoundResult | None:
         """Run the scheduled round with these gradient sums and micro-batch count: the same result as
         :meth:`combine`. ``timeout_s`` bounds the wait from here (group search and all-reduce);
         ``abort``, polled every ``ABORT_POLL_S`` while it waits, gives the round up when it returns a
@@ -435,9 +454,12 @@ class StageAverager:
                 raise ValueError(
                     f"gradient of {flat.numel()} values; the round buffer holds {self.grad_numel}"
                 )
+            if self._sentinel is None or self._sentinel[0] != id(control):
+                raise ValueError("finish() of a round that schedule() did not start last")
+            sentinel = self._sentinel[1]
+            payload = torch.cat([flat, torch.tensor([float(count)])])
             with self._averager.get_tensors() as buffers:
-                buffers[0][:-1].copy_(flat)
-                buffers[0][-1] = float(count)
+                self.layout.pack(buffers[0], payload, sentinel)
             try:
                 if control.done():  # its search ended without a group; the caller schedules afresh
                     control.result()
@@ -452,9 +474,16 @@ class StageAverager:
                 self.rounds_failed += 1
                 return None
             with self._averager.get_tensors() as buffers:
-                out = buffers[0].clone()
+                out, sentinels = self.layout.unpack(buffers[0])
             self.rounds_ok += 1
-            return out[:-1], float(out[-1]), {str(pid): data for pid, data in gathered.items()}
+            members = {str(pid): data for pid, data in gathered.items()}
+            values = [m.get("sentinel") if isinstance(m, dict) else None for m in members.values()]
+            missing = (
+                self.layout.missing(sentinels, [float(v) for v in values], sentinel)
+                if all(isinstance(v, (int, float)) for v in values)
+                else None  # a member that sent none: nothing to compare with
+            )
+            return RoundResult(out[:-1], float(out[-1]), members, missing)
 
     def combine(
         self,
@@ -464,11 +493,11 @@ class StageAverager:
         group_size: int,
         gather: dict[str, Any],
         timeout_s: float,
-    ) -> tuple[torch.Tensor, float, dict[str, Any]] | None:
-        """One blocking gradient round of ``group_size`` replicas: ``(mean of the sums, flat; mean count;
-        gathered)``, ``gathered`` mapping each member's peer id to its ``gather``; None when no full group
-        formed in time or the round failed (routine: the caller keeps its gradients). The same as
-        :meth:`schedule` then :meth:`finish` at once."""
+    ) -> RoundResult | None:
+        """One blocking gradient round of ``group_size`` replicas: the mean of the sums (flat), the mean
+        count, each member's ``gather`` by peer id and the share that did not arrive
+        (:class:`RoundResult`); None when no full group formed in time or the round failed (routine: the
+        caller keeps its gradients). The same as :meth:`schedule` then :meth:`finish` at once."""
         try:
             control = self.schedule(group_size=group_size, gather=gather, timeout_s=timeout_s)
         # hivemind surfaces a failed round as one of several types (AllreduceException,

@@ -38,7 +38,11 @@ Consistency (checked on every round, from what the members ``gather``):
   gradients) -- it catches up by download, never by diverging;
 - members at the same version compare weight digests; one that differs beyond rounding
   (``DIGEST_RTOL``) from the digest most of them agree with (on a tie, the lowest peer id's) downloads
-  too (``diverged`` counts it): it does not step, so the state it downloads is the group's next one.
+  too (``diverged`` counts it): it does not step, so the state it downloads is the group's next one;
+- a round whose average reached this replica only in part (hivemind keeps its own values where a
+  member's span did not arrive: note "partial rounds" in peer/round_buffer.py) is not applied and its
+  share is not given back (``partial_rounds``): the partners that completed it stepped with it, and
+  this replica catches up from them in its next round.
 
 When no full group forms within ``timeout_s`` the taken gradients go back into the accumulator and
 the round is retried. After ``max_failed_rounds`` failures in a row (a replica died and its record
@@ -181,6 +185,7 @@ class ReplicaRounds:
         "solo_steps",  # steps taken alone after max_failed_rounds failures in a row
         "caught_up",  # state downloads after a round showed this replica behind
         "diverged",  # rounds that found this replica's weights off its group's
+        "partial_rounds",  # rounds whose average arrived in part: not applied (note "partial rounds")
         "micro_batches_combined",  # stage-wide micro-batches of the rounds this replica stepped with
         "round_ms",  # milliseconds spent in completed rounds (waiting for the group included)
         "group_late",  # completed rounds whose group was still forming when this share was complete
@@ -330,7 +335,9 @@ class ReplicaRounds:
         )
         if result is None:
             return self._failed(sums, count, version)
-        flat, mean_count, gathered = result
+        flat, mean_count, gathered, missing = result
+        if missing:  # note "partial rounds" (peer/round_buffer.py)
+            return self._partial(missing, count, version)
         took = time.perf_counter() - t0
         self.counters["round_ms"] += round(1000 * took)
         self.counters["group_late"] += late
@@ -417,6 +424,28 @@ class ReplicaRounds:
         if self.round_s_ema is None:
             return cfg.timeout_s
         return min(cfg.timeout_s, max(cfg.min_timeout_s, 4.0 * self.round_s_ema))
+
+    def _partial(self, missing: float, count: int, version: int) -> bool:
+        """A round whose average reached this replica only in part: it is not applied, and the share is
+        not given back either (the partners that completed the round stepped with it; adding it again
+        would count it twice). This replica catches up from them by download in its next round; when
+        none completed it, the round's micro-batches are lost, and the warning says so."""
+        compute = self.compute
+        self.counters["partial_rounds"] += 1
+        self.failed_in_a_row = 0
+        logger.warning(
+            "stage %d: the gradient round at version %d arrived in part (%.1f%% of the buffer kept this "
+            "replica's own values); not applied: this replica catches up from a partner that completed "
+            "it, or, if none did, the round's micro-batches (%d of them from this replica) are lost",
+            compute.stage,
+            version,
+            100.0 * missing,
+            count,
+        )
+        compute.end_round(None, version, None)
+        if compute.replicas > 1 and not self._stop.is_set():
+            self._schedule()
+        return False
 
     def _failed(self, sums: list[torch.Tensor], count: int, version: int) -> bool:
         compute = self.compute
