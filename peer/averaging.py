@@ -184,11 +184,43 @@ def _donor_gone_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+_PART_FAILED = re.compile(r"Caught (.*) when communicating (?:to|with) (\S+)$", re.DOTALL)
+_ALLREDUCE_LOGGER = "hivemind.averaging.allreduce"
+
+
+class AllreduceFailureFilter(logging.Filter):
+    """hivemind logs why a member's part of an all-reduce failed at DEBUG only, and the round then
+    arrives in part (note "partial rounds" in peer/round_buffer.py). With this filter on hivemind's
+    all-reduce logger, enabled down to DEBUG by :func:`quiet_donor_failures`, those lines become one
+    WARNING each (the exception, no traceback) and every other DEBUG or INFO line of that logger is
+    dropped, so the peer's log says which member failed and how."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        match = _PART_FAILED.match(str(record.msg))
+        if match is None:
+            return False
+        record.msg = "all-reduce: the exchange with %s failed: %s (that span keeps this replica's values)"
+        record.args = (match.group(2), match.group(1))
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
 def quiet_donor_failures() -> None:
-    """Install :class:`DonorFailureFilter` on hivemind's averager logger once (idempotent)."""
+    """Install :class:`DonorFailureFilter` on hivemind's averager logger and :class:`AllreduceFailureFilter`
+    on its all-reduce logger once (idempotent). The latter only where hivemind logs warnings at all
+    (``HIVEMIND_LOGLEVEL`` WARNING or lower)."""
     target = logging.getLogger(_AVERAGER_LOGGER)
     if not any(isinstance(f, DonorFailureFilter) for f in target.filters):
         target.addFilter(DonorFailureFilter())
+    allreduce = logging.getLogger(_ALLREDUCE_LOGGER)
+    if allreduce.isEnabledFor(logging.WARNING) and not any(
+        isinstance(f, AllreduceFailureFilter) for f in allreduce.filters
+    ):
+        allreduce.addFilter(AllreduceFailureFilter())
+        allreduce.setLevel(logging.DEBUG)  # the filter passes only the failures among its DEBUG lines
 
 
 @functools.lru_cache(maxsize=1)

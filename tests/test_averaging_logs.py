@@ -1,4 +1,4 @@
-"""hivemind's report of a failed state download (peer/averaging.py, DonorFailureFilter); no network."""
+"""hivemind's reports of a failed state download and of a failed all-reduce part (peer/averaging.py); no network."""
 
 import logging
 import sys
@@ -59,3 +59,30 @@ def test_unrelated_records_pass_unchanged():
 def test_a_logger_set_above_warning_drops_the_shortened_line():
     logging.getLogger("swarmpipe-test-quiet").setLevel(logging.ERROR)
     assert not DonorFailureFilter().filter(_record(TimeoutError(), name="swarmpipe-test-quiet"))
+
+
+def _debug(msg: str, exc_info=None) -> logging.LogRecord:
+    return logging.LogRecord("hivemind.averaging.allreduce", logging.DEBUG, __file__, 1, msg, None, exc_info)
+
+
+def test_a_failed_all_reduce_part_becomes_one_warning_and_other_debug_lines_stay_out():
+    from peer.averaging import AllreduceFailureFilter
+
+    try:
+        raise TimeoutError()
+    except TimeoutError:
+        exc_info = sys.exc_info()
+    rec = _debug(f"Caught {TimeoutError()!r} when communicating to {PEER}", exc_info)
+    assert AllreduceFailureFilter().filter(rec)
+    assert rec.levelno == logging.WARNING and rec.exc_info is None
+    assert rec.getMessage() == (
+        f"all-reduce: the exchange with {PEER} failed: TimeoutError() (that span keeps this replica's values)"
+    )
+    assert "Traceback" not in logging.Formatter().format(rec)
+    assert AllreduceFailureFilter().filter(_debug(f"Caught ValueError('x') when communicating with {PEER}"))
+    assert not AllreduceFailureFilter().filter(_debug("AllReduceRunner(...) - finished"))
+    warning = _debug("something hivemind warns about")
+    warning.levelno = logging.WARNING
+    assert (
+        AllreduceFailureFilter().filter(warning) and warning.getMessage() == "something hivemind warns about"
+    )
