@@ -611,7 +611,15 @@ def train_swarm(cfg: ConvergenceConfig, job: Job, spec, data: dict[str, Any], wo
     }
 
 
-ROUND_COUNTERS = ("rounds", "rounds_failed", "solo_steps", "caught_up", "diverged", "micro_batches_combined")
+ROUND_COUNTERS = (
+    "rounds",
+    "rounds_failed",
+    "solo_steps",
+    "caught_up",
+    "diverged",
+    "partial_rounds",
+    "micro_batches_combined",
+)
 
 
 def round_counters(logs: Path, stages: int) -> dict[str, list[dict[str, int]]]:
