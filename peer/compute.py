@@ -555,9 +555,10 @@ class StageCompute:
         with self.lock:
             return self.optimizer.pending + sum(share.count for share in self._ready)
 
-    def set_replicas(self, n: int) -> None:
+    def set_replicas(self, n: int) -> bool:
         """The stage's live replica count changed. Alone again, the stage steps locally: at once with
-        the shares that waited for a round (they are complete steps' worth of gradient)."""
+        the shares that waited for a round (they are complete steps' worth of gradient). Returns
+        whether it stepped."""
         accumulate = self.spec.optimizer.accumulate
         if n > 1 and accumulate % n and n != self.replicas:
             logger.warning(
@@ -571,14 +572,18 @@ class StageCompute:
                 n * max(1, round(accumulate / n)),
                 accumulate,
             )
+        stepped = False
         with self.lock:
             self.replicas = max(1, n)
             if self.replicas == 1 and not self._round_active:
+                before = self.steps_taken
                 if self._ready:
                     self.flush_step()
                 elif self.optimizer.ready:
                     self._maybe_step()
+                stepped = self.steps_taken > before
         self.on_gate_change()
+        return stepped
 
     def _merge_ready(self) -> None:
         """Put the shares waiting for a round back into the accumulator (a local step takes them all)."""

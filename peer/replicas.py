@@ -182,7 +182,7 @@ class ReplicaRounds:
     COUNTERS = (
         "rounds",  # completed rounds this replica stepped with
         "rounds_failed",  # no full group in time (the gradients went back and were retried)
-        "solo_steps",  # steps taken alone after max_failed_rounds failures in a row
+        "solo_steps",  # steps alone: after max_failed_rounds failed rounds, or when alone with waiting shares
         "caught_up",  # state downloads after a round showed this replica behind
         "diverged",  # rounds that found this replica's weights off its group's
         "partial_rounds",  # rounds whose average arrived in part: not applied (note "partial rounds")
@@ -459,7 +459,9 @@ class ReplicaRounds:
             live = compute.replicas
         if live != compute.replicas:
             logger.info("stage %d: %d live replica(s) now (was %d)", compute.stage, live, compute.replicas)
-        compute.set_replicas(live)  # alone now: steps locally at once with what it holds
+        if compute.set_replicas(live):  # alone now: steps locally at once with what it holds
+            self.counters["solo_steps"] += 1
+            logger.info("stage %d: alone now; stepped with the shares that waited for a round", compute.stage)
         if live <= 1:
             self.failed_in_a_row = 0
         elif self.failed_in_a_row >= self.config.max_failed_rounds:

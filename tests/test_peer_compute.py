@@ -374,3 +374,15 @@ def test_no_emulated_sleep_without_the_knob(monkeypatch):
     plain.forward("a", tokens(0), "train")
     plain.backward("a", grad(0))
     assert slept == []  # time.sleep is the emulation's only sleep here
+
+
+def test_a_replica_left_alone_steps_with_the_shares_that_waited_and_says_so():
+    comp = StageCompute(spec(accumulate=4), 0)
+    comp.replicas = 2
+    for i, mb in enumerate("ab"):
+        comp.forward(mb, tokens(i), "train")
+        comp.backward(mb, grad(i))
+    assert comp.uncombined() > 0 and comp.version == 0  # a complete share waits for its round
+    assert comp.set_replicas(2) is False  # still replicated: nothing to do
+    assert comp.set_replicas(1) is True and comp.version == 1 and comp.steps_taken == 1
+    assert comp.set_replicas(1) is False  # nothing left to step with
