@@ -336,6 +336,11 @@ class ReplicaRounds:
         if result is None:
             return self._failed(sums, count, version)
         flat, mean_count, gathered, missing = result
+        if missing is not None and missing >= 1.0 - 1e-9:  # nothing of the group's arrived: a failed round
+            logger.info(
+                "stage %d: no member's part of the round at version %d arrived", compute.stage, version
+            )
+            return self._failed(sums, count, version)
         if missing:  # note "partial rounds" (peer/round_buffer.py)
             return self._partial(missing, count, version)
         took = time.perf_counter() - t0
@@ -429,7 +434,9 @@ class ReplicaRounds:
         """A round whose average reached this replica only in part: it is not applied, and the share is
         not given back either (the partners that completed the round stepped with it; adding it again
         would count it twice). This replica catches up from them by download in its next round; when
-        none completed it, the round's micro-batches are lost, and the warning says so."""
+        none completed it, the round's micro-batches are lost, and the warning says so. (A round of which
+        *nothing* arrived is a failed round and its share goes back: then this replica's own span had no
+        partner's part either, so every partner saw that span in part and none stepped.)"""
         compute = self.compute
         self.counters["partial_rounds"] += 1
         self.failed_in_a_row = 0

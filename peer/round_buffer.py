@@ -17,7 +17,8 @@ arrive still holds this replica's own value. :meth:`RoundBuffer.missing` is the 
 sentinels that do not hold the mean: 0.0 for a complete round. Any span of ``SENTINEL_EVERY`` or more
 elements holds a sentinel, and a member's span is about ``1 / group size`` of the buffer, so a failed
 span is never missed (a span below ``SENTINEL_EVERY`` would hold under 0.3% of a demo stage's
-gradient). A round that arrived in part is not applied (peer/replicas.py).
+gradient). A round that arrived in part is not applied (peer/replicas.py); one of which nothing
+arrived (``missing`` 1.0: a partner died mid-round) is a failed round, whose share is retried.
 
 Layout: the payload (the gradient sums, then the micro-batch count) fills rows of ``SENTINEL_EVERY -
 1`` values, zero-padded, and each row's last element is the sentinel.

@@ -59,10 +59,11 @@ def test_a_span_that_kept_this_replicas_values_is_found():
 
 
 class _PartialAverager:
-    """A stand-in for StageAverager's round API whose round completes with 40% of its average missing."""
+    """A stand-in for StageAverager's round API whose round completes with ``missing`` of its average absent."""
 
-    def __init__(self, compute: StageCompute):
+    def __init__(self, compute: StageCompute, missing: float = 0.4):
         self.compute = compute
+        self.missing = missing
         self.scheduled = 0
 
     def schedule(self, *, group_size, gather, timeout_s):
@@ -80,7 +81,7 @@ class _PartialAverager:
     def finish(self, control, sums, count, *, timeout_s, abort=None):
         flat = torch.cat([s.reshape(-1) for s in sums])
         gathered = {"me": {"version": 0}, "partner": {"version": 0}}
-        return RoundResult(flat, float(count), gathered, 0.4)
+        return RoundResult(flat, float(count), gathered, self.missing)
 
 
 def test_a_round_that_arrived_in_part_is_neither_applied_nor_given_back(caplog):
@@ -101,3 +102,18 @@ def test_a_round_that_arrived_in_part_is_neither_applied_nor_given_back(caplog):
     (record,) = [r for r in caplog.records if "arrived in part" in r.getMessage()]
     assert "40.0%" in record.getMessage() and "2 of them from this replica" in record.getMessage()
     assert averager.scheduled == 2  # the next round is looked for at once
+
+
+def test_a_round_of_which_nothing_arrived_is_a_failed_round_and_its_share_goes_back():
+    comp = StageCompute(spec(accumulate=4), 0)
+    comp.replicas = 2
+    for i, mb in enumerate("ab"):
+        comp.forward(mb, tokens(i), "train")
+        comp.backward(mb, grad(i))
+    averager = _PartialAverager(comp, missing=1.0)
+    rounds = ReplicaRounds(
+        comp, averager, peer_id="me", config=RoundsConfig(), replicas_fn=lambda: 2, catch_up=lambda v: False
+    )
+    assert rounds.run_round() is False
+    assert comp.version == 0 and comp.uncombined() == 2  # given back: the next round retries it
+    assert rounds.counters["rounds_failed"] == 1 and rounds.counters["partial_rounds"] == 0
