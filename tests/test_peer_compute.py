@@ -31,6 +31,16 @@ def grad(seed):
     return torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(seed))
 
 
+def replica_with_a_complete_share(**optimizer) -> StageCompute:
+    """A stage 0 replica of 2 (accumulate 4) whose share of 2 micro-batches waits for its round."""
+    comp = StageCompute(spec(accumulate=4, **optimizer), 0)
+    comp.replicas = 2
+    for i, mb in enumerate("ab"):
+        comp.forward(mb, tokens(i), "train")
+        comp.backward(mb, grad(i))
+    return comp
+
+
 def test_sync_mode_gates_forwards_until_the_step():
     comp = StageCompute(spec(mode="sync", accumulate=2), 0)
     assert comp.forward_allowed()
@@ -251,11 +261,7 @@ def test_the_forward_gate_stays_closed_until_the_preview_is_served():
 
 
 def test_a_failed_round_drops_the_preview_and_sync_replicas_never_preview():
-    comp = StageCompute(spec(accumulate=4), 0)
-    comp.replicas = 2
-    for i, mb in enumerate("ab"):
-        comp.forward(mb, tokens(i), "train")
-        comp.backward(mb, grad(i))
+    comp = replica_with_a_complete_share()
     sums, count, version = comp.take_round()
     assert not comp.end_round(None, version, (sums, count))
     comp.forward("c", tokens(2), "train")
@@ -377,11 +383,7 @@ def test_no_emulated_sleep_without_the_knob(monkeypatch):
 
 
 def test_a_replica_left_alone_steps_with_the_shares_that_waited_and_says_so():
-    comp = StageCompute(spec(accumulate=4), 0)
-    comp.replicas = 2
-    for i, mb in enumerate("ab"):
-        comp.forward(mb, tokens(i), "train")
-        comp.backward(mb, grad(i))
+    comp = replica_with_a_complete_share()
     assert comp.uncombined() > 0 and comp.version == 0  # a complete share waits for its round
     assert comp.set_replicas(2) is False  # still replicated: nothing to do
     assert comp.set_replicas(1) is True and comp.version == 1 and comp.steps_taken == 1

@@ -8,7 +8,7 @@ from peer.averaging import RoundResult
 from peer.compute import StageCompute
 from peer.replicas import ReplicaRounds, RoundsConfig
 from peer.round_buffer import SENTINEL_EVERY, RoundBuffer
-from tests.test_peer_compute import grad, spec, tokens
+from tests.test_peer_compute import replica_with_a_complete_share
 
 
 def test_pack_and_unpack_round_trip_with_a_sentinel_every_row():
@@ -85,11 +85,7 @@ class _PartialAverager:
 
 
 def test_a_round_that_arrived_in_part_is_neither_applied_nor_given_back(caplog):
-    comp = StageCompute(spec(accumulate=4), 0)
-    comp.replicas = 2
-    for i, mb in enumerate("ab"):
-        comp.forward(mb, tokens(i), "train")
-        comp.backward(mb, grad(i))
+    comp = replica_with_a_complete_share()
     averager = _PartialAverager(comp)
     rounds = ReplicaRounds(
         comp, averager, peer_id="me", config=RoundsConfig(), replicas_fn=lambda: 2, catch_up=lambda v: False
@@ -105,11 +101,7 @@ def test_a_round_that_arrived_in_part_is_neither_applied_nor_given_back(caplog):
 
 
 def test_a_round_of_which_nothing_arrived_is_a_failed_round_and_its_share_goes_back():
-    comp = StageCompute(spec(accumulate=4), 0)
-    comp.replicas = 2
-    for i, mb in enumerate("ab"):
-        comp.forward(mb, tokens(i), "train")
-        comp.backward(mb, grad(i))
+    comp = replica_with_a_complete_share()
     averager = _PartialAverager(comp, missing=1.0)
     rounds = ReplicaRounds(
         comp, averager, peer_id="me", config=RoundsConfig(), replicas_fn=lambda: 2, catch_up=lambda v: False
