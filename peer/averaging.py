@@ -481,15 +481,17 @@ class StageAverager:
         ``abort``, polled every ``ABORT_POLL_S`` while it waits, gives the round up when it returns a
         reason (a member is gone: note "lost member" in peer/recount.py)."""
         with self._lock:
-            flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in sums])
-            if flat.numel() != self.grad_numel:
+            payload = torch.cat(  # the gradient sums, then the count
+                [t.detach().reshape(-1).to("cpu", torch.float32) for t in sums]
+                + [torch.tensor([float(count)])]
+            )
+            if payload.numel() - 1 != self.grad_numel:
                 raise ValueError(
-                    f"gradient of {flat.numel()} values; the round buffer holds {self.grad_numel}"
+                    f"gradient of {payload.numel() - 1} values; the round buffer holds {self.grad_numel}"
                 )
             if self._sentinel is None or self._sentinel[0] != id(control):
                 raise ValueError("finish() of a round that schedule() did not start last")
             sentinel = self._sentinel[1]
-            payload = torch.cat([flat, torch.tensor([float(count)])])
             with self._averager.get_tensors() as buffers:
                 self.layout.pack(buffers[0], payload, sentinel)
             try:

@@ -93,9 +93,8 @@ __all__ = ["StageCompute", "ForwardResult", "BackwardResult"]
 # steps short (2 x 2 runs exported 160-214 stage steps for 150).
 QUIET_FACTOR = 1.5
 GAPS_KEPT = 32
-PREVIEW_NS_STEPS = (
-    3  # Newton-Schulz iterations of a speculative preview's Muon steps (note "speculative rounds")
-)
+# Newton-Schulz iterations of a speculative preview's Muon steps (note "speculative rounds")
+PREVIEW_NS_STEPS = 3
 
 logger = logging.getLogger(__name__)
 
@@ -576,12 +575,10 @@ class StageCompute:
         with self.lock:
             self.replicas = max(1, n)
             if self.replicas == 1 and not self._round_active:
-                before = self.steps_taken
                 if self._ready:
-                    self.flush_step()
+                    stepped = self.flush_step()
                 elif self.optimizer.ready:
-                    self._maybe_step()
-                stepped = self.steps_taken > before
+                    stepped = self._maybe_step()
         self.on_gate_change()
         return stepped
 
