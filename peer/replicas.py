@@ -38,7 +38,9 @@ Consistency (checked on every round, from what the members ``gather``):
   gradients) -- it catches up by download, never by diverging;
 - members at the same version compare weight digests; one that differs beyond rounding
   (``DIGEST_RTOL``) from the digest most of them agree with (on a tie, the lowest peer id's) downloads
-  too (``diverged`` counts it): it does not step, so the state it downloads is the group's next one;
+  too (``diverged`` counts it): it does not step, so the state it downloads is the group's next one
+  (a round without gradients steps nobody, so until the next round that steps, the diverged replica
+  keeps its weights: two replicas that both stepped alone at the end of a run stay apart);
 - a round whose average reached this replica only in part (hivemind keeps its own values where a
   member's span did not arrive: note "partial rounds" in peer/round_buffer.py) is not applied and its
   share is not given back (``partial_rounds``): the partners that completed it stepped with it, and

@@ -251,6 +251,20 @@ async def train(driver: Driver, route: list[str], seeds) -> None:
         await driver.wait_reports(mb, {"loss", "done"})
 
 
+async def train_at_once(driver: Driver, sends: list[tuple[list[str], int]], timeout_s: float = 30) -> None:
+    """Send every ``(route, seed)`` micro-batch first, then wait until each one reported ``loss`` and
+    ``done`` (``train`` sends the next only after the previous one completed)."""
+    waiting: dict[str, set[str]] = {}
+    for route, seed in sends:
+        tokens, targets = batch(seed, driver.spec)
+        waiting[await driver.send(route, tokens, targets)] = {"loss", "done"}
+    async with time_limit(timeout_s):
+        while any(waiting.values()):
+            report, _ = await driver.reports.get()
+            assert report.kind != "failed", report.reason
+            waiting.get(report.mb_id, set()).discard(report.kind)
+
+
 # ------------------------------------------------------------------------------ private runs
 
 

@@ -121,6 +121,9 @@ def test_stash_entries_of_a_trainer_that_vanished_are_dropped_without_waiting_fo
             await trainer.shutdown()  # gone without a word: only a probe can tell
             trainer.dht = None
             await until(lambda: mb not in stage0.compute.stash, 60, "the stash entry dropped")  # TTL is 600 s
+            # the drop runs in a worker thread and is counted when it returns: the entry can leave the
+            # stash a moment before the counter moves
+            await until(lambda: stage0.stats()["trainer_gone"] >= 1, 10, "the drop counted", interval_s=0.02)
             stats = stage0.stats()
             assert stats["trainer_gone"] == 1 and stats["stash_expired"] == 0
         finally:
