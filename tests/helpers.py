@@ -182,13 +182,19 @@ class Driver:
     async def wait_reports(
         self, mb_id: str, kinds: set[str], timeout_s: float = 20
     ) -> dict[str, tuple[Report, bytes]]:
-        got: dict[str, tuple[Report, bytes]] = {}
+        return (await self.wait_all_reports([mb_id], kinds, timeout_s))[mb_id]
+
+    async def wait_all_reports(
+        self, mb_ids: list[str], kinds: set[str], timeout_s: float = 20
+    ) -> dict[str, dict[str, tuple[Report, bytes]]]:
+        """The reports of ``kinds`` for every micro-batch of ``mb_ids``, by id and kind (others are dropped)."""
+        got: dict[str, dict[str, tuple[Report, bytes]]] = {mb: {} for mb in mb_ids}
         async with time_limit(timeout_s):
-            while not kinds <= set(got):
+            while not all(kinds <= set(g) for g in got.values()):
                 report, payload = await self.reports.get()
                 assert report.kind != "failed", report.reason
-                if report.mb_id == mb_id:
-                    got[report.kind] = (report, payload)
+                if report.mb_id in got:
+                    got[report.mb_id][report.kind] = (report, payload)
         return got
 
 
@@ -254,15 +260,8 @@ async def train(driver: Driver, route: list[str], seeds) -> None:
 async def train_at_once(driver: Driver, sends: list[tuple[list[str], int]], timeout_s: float = 30) -> None:
     """Send every ``(route, seed)`` micro-batch first, then wait until each one reported ``loss`` and
     ``done`` (``train`` sends the next only after the previous one completed)."""
-    waiting: dict[str, set[str]] = {}
-    for route, seed in sends:
-        tokens, targets = batch(seed, driver.spec)
-        waiting[await driver.send(route, tokens, targets)] = {"loss", "done"}
-    async with time_limit(timeout_s):
-        while any(waiting.values()):
-            report, _ = await driver.reports.get()
-            assert report.kind != "failed", report.reason
-            waiting.get(report.mb_id, set()).discard(report.kind)
+    mb_ids = [await driver.send(route, *batch(seed, driver.spec)) for route, seed in sends]
+    await driver.wait_all_reports(mb_ids, {"loss", "done"}, timeout_s)
 
 
 # ------------------------------------------------------------------------------ private runs
