@@ -60,7 +60,8 @@ bench-links-quick: setup
 # (results/stream_cost.json), runs of 24 and 128 micro-batches (results/control_plane.json), then
 # `python -m benchmarks.control_plane --render` for BENCHMARKS.md (section "Control plane").
 bench-control-plane: setup
-	$(BIN)/python -m benchmarks.stream_cost
+	$(BIN)/python -m benchmarks.stream_cost --concurrency 4
+	$(BIN)/python -m benchmarks.stream_cost --concurrency 4 --channels off
 	$(BIN)/python -m benchmarks.control_plane --variant after
 
 # Where the cycles go: CPU per 1,000 tokens by process and thread, swarm vs 1F1B (loopback; py-spy optional).

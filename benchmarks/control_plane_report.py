@@ -44,16 +44,18 @@ FIRST_TABLE = "Announce on change, compact headers (24 micro-batches)"
 def _stream_table(streams: dict[str, Any]) -> list[str]:
     lines = [
         f"One message on the wire (`{streams.get('command', 'python -m benchmarks.stream_cost')}`, "
-        f"{streams.get('started', '?')}): two lab nodes, each call a new libp2p stream over a warm connection, "
+        f"{streams.get('started', '?')}): two lab nodes over a warm connection, each call either a new libp2p "
+        "stream (a stream of its own) or a message on the channel the warm-up opened (swarm/wire/channel.py), "
         "both directions, an idle window of the same length subtracted.",
         "",
-        "| message | calls in flight | serialised bytes | wire bytes per call | packets per call "
+        "| message | carried on | calls in flight | serialised bytes | wire bytes per call | packets per call "
         "| beyond what we serialise |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
-    for r in streams["runs"]:
+    for r in sorted(streams["runs"], key=lambda r: (bool(r.get("channels")), r["concurrency"])):
+        carried = "channel" if r.get("channels") else "stream of its own"
         lines.append(
-            f"| {r['shape']} | {r['concurrency']} | {r['serialised_bytes_per_call']} | "
+            f"| {r['shape']} | {carried} | {r['concurrency']} | {r['serialised_bytes_per_call']} | "
             f"{r['wire_bytes_per_call']:.0f} | {r['packets_per_call']:.1f} | {r['fixed_bytes_per_call']:.0f} |"
         )
     return [*lines, ""]

@@ -4,13 +4,16 @@ Run (from the repository root, as root for the network lab)::
 
     python -m benchmarks.stream_cost            # into results/stream_cost.json
     python -m benchmarks.stream_cost --calls 500 --concurrency 4
+    python -m benchmarks.stream_cost --channels off   # every call a stream of its own
 
 What runs: two nodes of the network lab (benchmarks/netlab.py), a server process in one serving a
 protocol name with ``swarm.wire.protocol.serve`` (the reply is ``{"ok": True}``, like an acknowledgement)
 and a client process in the other calling it ``--calls`` times with ``swarm.wire.protocol.call`` for each
-message shape: every call is what a FORWARD, BACKWARD, REPORT or INFO is, a new libp2p stream through
-both p2pd daemons (yamux stream, multistream-select of the protocol name, noise frames, the request's
-parts, the reply, both closes), over the connection the warm-up calls opened. Both nodes' link counters
+message shape: every call is what a FORWARD, BACKWARD, REPORT or INFO is. With ``--channels on`` (the
+default) small messages share one long-lived stream (swarm/wire/channel.py), which the warm-up calls
+opened; with ``--channels off`` each call is a new libp2p stream through both p2pd daemons (yamux
+stream, multistream-select of the protocol name, noise frames, the request's parts, the reply, both
+closes), over the connection the warm-up calls opened. Both nodes' link counters
 (bytes and packets, all IP/TCP headers and ACKs included) are read around the calls and around an idle
 window of the same length (what the daemons send anyway, subtracted).
 
@@ -128,7 +131,9 @@ def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: b[k] - a[k] for k in a}
 
 
-def run(*, calls: int, concurrency: int, settle_s: float = 1.0) -> list[dict[str, Any]]:
+def run(
+    *, calls: int, concurrency: int, channels: bool = True, settle_s: float = 1.0
+) -> list[dict[str, Any]]:
     """Every shape in :data:`SHAPES`, ``calls`` calls each, in a fresh two-node lab."""
     nodes = ["srv", "cli"]
     py = [sys.executable, "-m", "benchmarks.stream_cost"]
@@ -138,7 +143,7 @@ def run(*, calls: int, concurrency: int, settle_s: float = 1.0) -> list[dict[str
 
         def spawn(node: str, argv: list[str]) -> subprocess.Popen:  # Lab.spawn has no stdin pipe
             return subprocess.Popen(
-                ["ip", "netns", "exec", lab.ns(node), *argv],
+                ["ip", "netns", "exec", lab.ns(node), "env", f"SWARMPIPE_CHANNELS={int(channels)}", *argv],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -175,6 +180,7 @@ def run(*, calls: int, concurrency: int, settle_s: float = 1.0) -> list[dict[str
                             "shape": ready["ready"],
                             "calls": calls,
                             "concurrency": concurrency,
+                            "channels": channels,
                             "calls_per_s": calls / done["s"],
                             "serialised_bytes_per_call": ready["serialised"],
                             "wire_bytes_per_call": cost["bytes"],
@@ -204,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--calls", type=int, default=300, help="calls per message shape")
     parser.add_argument("--concurrency", type=int, default=1, help="calls in flight at once")
+    parser.add_argument(
+        "--channels", choices=("on", "off"), default="on", help="small messages on one long-lived stream (on)"
+    )
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--serve", nargs=2, metavar=("ADDR", "MADDR_FILE"), help=argparse.SUPPRESS)
     parser.add_argument("--client", nargs=4, metavar=("ADDR", "MADDR_FILE", "N", "C"), help=argparse.SUPPRESS)
@@ -221,10 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"cannot run the network lab: {reason}", file=sys.stderr)
         return 2
-    results = run(calls=args.calls, concurrency=args.concurrency)
+    channels = args.channels == "on"
+    results = run(calls=args.calls, concurrency=args.concurrency, channels=channels)
     path = Path(args.out)
     report = json.loads(path.read_text()) if path.exists() else {"name": "stream_cost", "runs": []}
-    report["runs"] = [r for r in report["runs"] if r["concurrency"] != args.concurrency] + results
+    report["runs"] = [
+        r
+        for r in report["runs"]
+        if (r["concurrency"], r.get("channels", False)) != (args.concurrency, channels)
+    ] + results
     report.update(
         {
             "command": "python -m benchmarks.stream_cost " + " ".join(argv or sys.argv[1:]),

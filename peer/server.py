@@ -58,7 +58,8 @@ from peer.work import WorkerTasks
 from swarm.dht.auth import RunAuth
 from swarm.errors import ConfigError, SwarmError
 from swarm.traffic import TRAFFIC
-from swarm.wire.protocol import BACKWARD, CANCEL, FORWARD, INFO, serve
+from swarm.wire.channel import close_channels
+from swarm.wire.protocol import BACKWARD, CANCEL, FORWARD, INFO, serve, unserve
 
 __all__ = ["StagePeer"]
 
@@ -359,7 +360,8 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
         if self._p2p is not None:
             with contextlib.suppress(Exception):
                 for name in _HANDLED:
-                    await self._p2p.remove_protobuf_handler(name)
+                    await unserve(self._p2p, name)
+            close_channels(self._p2p)
             # a replicated P2P's shutdown closes its handler socket and removes the socket file
             # (the DHT's daemon stays up until the DHT stops); without it /tmp collects sockets
             with contextlib.suppress(Exception):

@@ -217,10 +217,20 @@ def test_runs_of_several_lengths_fold_by_rate_length_and_model_and_group_into_ta
                 "wire_bytes_per_call": 1349.0,
                 "packets_per_call": 13.1,
                 "fixed_bytes_per_call": 1308.0,
-            }
+            },
+            {
+                "shape": "INFO",
+                "concurrency": 1,
+                "channels": True,
+                "serialised_bytes_per_call": 41,
+                "wire_bytes_per_call": 414.0,
+                "packets_per_call": 3.8,
+                "fixed_bytes_per_call": 373.0,
+            },
         ]
     }
     text = markdown_section(report, streams)
-    assert "| INFO | 1 | 41 | 1349 | 13.1 | 1308 |" in text
+    assert "| INFO | stream of its own | 1 | 41 | 1349 | 13.1 | 1308 |" in text
+    assert "| INFO | channel | 1 | 41 | 414 | 3.8 | 373 |" in text
     assert "**Fewer streams**" in text and "blockwise8 @ none, 128 mb, main" in text
     assert "| FORWARD messages per micro-batch | 2.05 |" in text  # 4 per 1,000 tokens, 512 per micro-batch

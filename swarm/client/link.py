@@ -174,12 +174,14 @@ class SwarmLink:
         )
 
     async def close(self) -> None:
-        from swarm.wire.protocol import INFO, REPORT
+        from swarm.wire.channel import close_channels
+        from swarm.wire.protocol import INFO, REPORT, unserve
 
         with contextlib.suppress(Exception):  # best effort: the daemon may already be gone
-            await self.p2p.remove_protobuf_handler(REPORT)
+            await unserve(self.p2p, REPORT)
         with contextlib.suppress(Exception):
-            await self.p2p.remove_protobuf_handler(INFO)
+            await unserve(self.p2p, INFO)
+        close_channels(self.p2p)
         with contextlib.suppress(Exception):
             await self.p2p.shutdown()
         await asyncio.to_thread(self.dht.shutdown)

@@ -97,6 +97,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.errors import Failure, PeerFailure, RequestError
 from swarm.traffic import TRAFFIC, message_kind
+from swarm.wire import channel
 
 __all__ = [
     "PROTOCOL_TAG",
@@ -122,6 +123,7 @@ __all__ = [
     "to_parts",
     "read_message",
     "serve",
+    "unserve",
     "call",
     "peer_id_from_str",
 ]
@@ -704,9 +706,21 @@ async def serve(
             failure = e.failure or Failure.REFUSED
             return _reply({"ok": False, "error": str(e), "code": type(e).__name__, "failure": failure.value})
 
+    async def _respond_part(
+        part: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        return await _respond(_aiter([part]), context)
+
     await p2p.add_protobuf_handler(
         name, _handle, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
     )
+    await channel.register(p2p, message_kind(name), _respond_part, tag=PROTOCOL_TAG)
+
+
+async def unserve(p2p: P2P, name: str) -> None:
+    """Stop serving ``name`` (on streams of their own and on channels); the daemon may already be gone."""
+    channel.unregister(p2p, message_kind(name))
+    await p2p.remove_protobuf_handler(name, stream_input=True, stream_output=True)
 
 
 _LINGER_S = 10.0
@@ -756,7 +770,7 @@ async def call(
     parts = to_parts(message)
     TRAFFIC.add(message_kind(name), header=len(parts[0].metadata), payload=len(message.payload))
     try:
-        response = await asyncio.wait_for(_first_response(p2p, peer_id, name, parts), timeout=timeout_s)
+        response = await asyncio.wait_for(_exchange(p2p, peer_id, name, parts), timeout=timeout_s)
     except asyncio.TimeoutError:
         raise PeerFailure(
             f"{name} to {peer_id} timed out after {timeout_s:.1f} s", peer=str(peer_id), reason="timeout"
@@ -779,6 +793,18 @@ async def call(
         failure = Failure.parse(reply.get("failure")) or _legacy_refusal(text)
         raise RequestError(f"{peer_id} refused {name}: {text}", failure=failure)
     return reply
+
+
+async def _exchange(
+    p2p: P2P, peer_id: PeerID, name: str, parts: list[runtime_pb2.ExpertRequest]
+) -> runtime_pb2.ExpertResponse:
+    """The reply to a message: on the channel to the peer when the message is small (note "channels" in
+    swarm/wire/channel.py), else, or when the peer has no channel, on a stream of its own."""
+    if channel.fits(parts):
+        response = await channel.request(p2p, peer_id, name, parts[0], tag=PROTOCOL_TAG)
+        if response is not None:
+            return response
+    return await _first_response(p2p, peer_id, name, parts)
 
 
 async def _first_response(
