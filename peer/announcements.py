@@ -22,6 +22,16 @@ do not wait for: they probe peers with ``INFO`` and a dead peer's connection fai
 "liveness probes" in swarm/client/liveness.py). Changes of state (joining, online, leaving) are
 stored by their callers at once, with the same lifetime (a ``leaving`` record must not expire before
 the ``online`` one it replaces: the later expiration wins for a subkey).
+
+Reads for rebalancing (note "lone reads"): a rebalancing peer reads every stage's list, one DHT read of
+``S`` keys answered by the nodes nearest each. A peer that is the only active peer of its stage never
+moves (``swarm.dht.placement.should_move`` keeps a stage's last peer), so while its last read showed it
+alone and it counts one replica it reads only every ``refresh_ticks`` ticks (:class:`MoveReads`). It
+learns of a stage-mate sooner than that from its replica count: a joiner downloads its state from this
+peer (a hint, note "replica recount" in peer/recount.py), and from then on the peer counts two and
+reads on every tick. In a swarm of one peer per stage this removes two of every three such reads; where
+a stage has several peers, those peers read as before, so a stage left empty is still covered within
+a tick by a mover from a fuller one.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AnnounceRule", "MATERIAL_FIELDS", "REFRESH_TICKS"]
+__all__ = ["AnnounceRule", "MoveReads", "MATERIAL_FIELDS", "REFRESH_TICKS"]
 
 REFRESH_TICKS = 3
 """Ticks of the announce loop between two stores of an unchanged record."""
@@ -88,3 +98,23 @@ def _moved(old: float, new: float, factor: float) -> bool:
     if old <= 0 or new <= 0:
         return (old <= 0) != (new <= 0)
     return not 1 / factor <= new / old <= factor
+
+
+@dataclass
+class MoveReads:
+    """Which announce ticks read the stage lists for rebalancing (note "lone reads")."""
+
+    refresh_ticks: int = REFRESH_TICKS
+    alone: bool = False
+    skipped: int = 0
+
+    def due(self, replicas: int) -> bool:
+        """Whether this tick reads; a tick that does not is counted."""
+        if not self.alone or replicas > 1 or self.skipped + 1 >= self.refresh_ticks:
+            return True
+        self.skipped += 1
+        return False
+
+    def read(self, alone: bool) -> None:
+        """A read was made; ``alone``: it showed this peer as its stage's only active peer."""
+        self.alone, self.skipped = alone, 0

@@ -118,9 +118,13 @@ class Background:
             await self._maybe_move()
 
     async def _maybe_move(self) -> None:
-        from swarm.dht.placement import should_move
+        from swarm.dht.placement import has_stage_mates, should_move
 
+        # note "lone reads" (peer/announcements.py): a stage's only peer never moves
+        if not self._move_reads.due(self._compute.replicas if self._compute is not None else 1):
+            return
         records = await asyncio.to_thread(self._membership.all_stage_records)
+        self._move_reads.read(alone=not has_stage_mates(records, self.peer_id))
         target = should_move(records, self.peer_id, margin=self.config.rebalance_margin, rng=self._rng)
         if target is not None and target != self.stage and await self._stage_restorable(target, records):
             logger.info("rebalancing: moving from stage %d to stage %d", self.stage, target)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from peer.admission import Admission
-from peer.announcements import AnnounceRule
+from peer.announcements import AnnounceRule, MoveReads
 from peer.averaging import StageAverager
 from peer.compute import StageCompute
 from peer.config import PeerConfig, resolve_device
@@ -105,6 +105,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
         self._rng = random.Random()
         self._announcements = AnnounceRule(config.announce_period_s)  # note "announce on change"
         self._recount = Recount()  # note "replica recount"
+        self._move_reads = MoveReads()  # note "lone reads"
         self._rounds: ReplicaRounds | None = None
         self._round_counters: dict[str, int] = dict.fromkeys(ReplicaRounds.COUNTERS, 0)  # of stages left
         self._switch_lock = asyncio.Lock()
@@ -396,6 +397,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
                 await self._join_stage(old.stage, self._as_checkpoint(old))
             self.state = "online"
             self.counters["moves"] += 1
+            self._move_reads = MoveReads()  # a new stage: read its lists on the next tick
             await self._announce()
 
     async def _leave_stage(self, old: StageCompute) -> None:

@@ -234,3 +234,22 @@ def test_runs_of_several_lengths_fold_by_rate_length_and_model_and_group_into_ta
     assert "| INFO | channel | 1 | 41 | 414 | 3.8 | 373 |" in text
     assert "**Fewer streams**" in text and "blockwise8 @ none, 128 mb, main" in text
     assert "| FORWARD messages per micro-batch | 2.05 |" in text  # 4 per 1,000 tokens, 512 per micro-batch
+
+
+def test_a_lone_peer_reads_the_stage_lists_every_refresh_ticks_and_a_peer_with_mates_every_tick():
+    from peer.announcements import MoveReads
+
+    reads = MoveReads(refresh_ticks=3)
+    assert reads.due(replicas=1)  # nothing read yet: read
+    reads.read(alone=True)
+    ticks = []
+    for _ in range(6):  # alone: two ticks skipped, the third reads
+        ticks.append(reads.due(replicas=1))
+        if ticks[-1]:
+            reads.read(alone=True)
+    assert ticks == [False, False, True, False, False, True]
+    reads.read(alone=True)
+    assert not reads.due(replicas=1)
+    assert reads.due(replicas=2)  # a stage-mate counted (a joiner downloaded from us): read now
+    reads.read(alone=False)
+    assert all(reads.due(replicas=1) for _ in range(4))  # not alone: every tick

@@ -164,3 +164,25 @@ def test_repeated_checks_reach_a_fixed_point(seed):
     # of moving any single peer.
     totals = stage_throughputs(stages)
     assert min(totals) > 0 and moves < 100
+
+
+def test_has_stage_mates_is_the_precondition_of_any_move():
+    from swarm.dht.placement import has_stage_mates
+
+    alone = [{pid("a"): rec("a", 0, 1.0)}, {pid("b"): rec("b", 1, 1.0), pid("c"): rec("c", 1, 1.0)}]
+    assert not has_stage_mates(alone, pid("a"))
+    assert has_stage_mates(alone, pid("b"))
+    assert not has_stage_mates(alone, pid("d"))  # not in any stage
+    rng = random.Random(5)
+    for _ in range(300):  # no peer should_move moves lacks a stage-mate
+        stages = [
+            {
+                pid("abc"[s] + "xyz"[i]): rec("abc"[s] + "xyz"[i], s, rng.choice([0.5, 1.0, 4.0]))
+                for i in range(rng.randint(0, 3))
+            }
+            for s in range(3)
+        ]
+        for recs in stages:
+            for me in recs:
+                if should_move(stages, me, margin=0.2, rng=random.Random(1)) is not None:
+                    assert has_stage_mates(stages, me)

@@ -144,6 +144,14 @@ def _clearly_better(new: Objective, old: Objective, margin: float) -> bool:
     return diff is not None and diff[0] > diff[1] * (1.0 + margin)
 
 
+def has_stage_mates(records_by_stage: RecordsByStage, me: str) -> bool:
+    """Whether ``me`` is active in exactly one stage and that stage has another active peer: the two
+    conditions without which :func:`should_move` never moves ``me`` (pure)."""
+    active = [_active(recs) for recs in records_by_stage]
+    mine = [stage for stage, recs in enumerate(active) if me in recs]
+    return len(mine) == 1 and len(active[mine[0]]) > 1
+
+
 def should_move(
     records_by_stage: RecordsByStage, me: str, *, margin: float = 0.2, rng: random.Random
 ) -> int | None:
