@@ -54,10 +54,12 @@ for the rest of the route.
 
 One report (note "one report")
 ------------------------------
-A message is a libp2p stream of its own (a yamux stream through both p2pd daemons, multistream-select of
-the protocol name, noise frames, the reply, both closes): ~1.3 KB and 13 packets on the wire beyond its
-header and payload (``python -m benchmarks.stream_cost``), as much as 2.6 bytes per token of a 512-token
-micro-batch, against ~16 bytes per token of payload per hop of a subspace d/32 run. So a trainer's
+Every message costs something on the wire beyond its header and payload: ~1.3 KB and 13 packets on a
+libp2p stream of its own (a yamux stream through both p2pd daemons, multistream-select of the protocol
+name, noise frames, the reply, both closes), ~0.4 KB and 4 packets on a channel (``call`` sends a
+message of one part of at most 64 KiB on the long-lived stream to that peer, note "channels" in
+swarm/wire/channel.py; ``python -m benchmarks.stream_cost``). Against ~16 bytes per token of payload per
+hop of a subspace d/32 run, fewer messages still matter. So a trainer's
 ``FORWARD`` asks for ``one_report``: the last stage then sends no ``loss`` report, its loss (``loss``,
 ``n_tokens``) rides the ``BACKWARD`` headers down, each stage adds its forward's per-hop stats to the
 ``BACKWARD`` it sends (the ``FORWARD`` headers carry none), and stage 0's ``done`` carries them all. Both fields are absent on the wire unless used. Mixed versions keep working: a peer older
