@@ -218,3 +218,32 @@ def test_garbage_on_a_channel_closes_only_that_channel():
             await _close(client, server)
 
     asyncio.run(main())
+
+
+@pytest.mark.integration
+def test_a_short_timeout_does_not_fail_the_other_messages_waiting_on_the_channel():
+    async def main():
+        server, client = await _pair()
+        try:
+            release = asyncio.Event()
+
+            async def handler(message, remote):
+                await release.wait()  # a receiver that answers nothing for a while
+                return {"n": message.header["n"]}
+
+            await serve(server, "test.stall", handler)
+            patient = asyncio.ensure_future(
+                call(client, server.peer_id, "test.stall", Message({"n": 1}), timeout_s=30)
+            )
+            await asyncio.sleep(0.2)
+            with pytest.raises(PeerFailure) as short:
+                await call(client, server.peer_id, "test.stall", Message({"n": 2}), timeout_s=0.5)
+            assert short.value.failure is Failure.TIMEOUT
+            (open_channel,) = _channels(client).values()
+            assert not open_channel.closed  # another message still waits on it
+            release.set()
+            assert (await patient)["n"] == 1
+        finally:
+            await _close(client, server)
+
+    asyncio.run(main())

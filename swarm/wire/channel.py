@@ -19,10 +19,13 @@ come in any order; the sender matches them by ``cid``.
 
 Failures. A channel that breaks (the remote daemon closed it, a frame that does not parse) fails every
 message waiting on it with ``PeerFailure`` ``unreachable``, as a broken stream would, and the next
-message opens a new one. A message that times out closes its channel if nothing came back on it since
-the message was sent (the stream may be dead without the daemon having noticed); a reply to a message
-whose caller gave up is dropped. A peer that does not serve channels (older versions) or cannot be
-reached is sent messages on streams of their own for :data:`RETRY_S` before a channel is tried again.
+message opens a new one. A message that times out closes its channel when nothing came back on it
+since the message was sent and no other message waits on it (the stream may be dead without the
+daemon having noticed). While others wait, their own timeouts decide: a receiver whose loop stalled
+for a moment answers them late, and a short probe's timeout must not fail a forward that would have
+been acknowledged within its own. A reply to a message whose caller gave up is dropped. A peer that
+does not serve channels (older versions) or cannot be reached is sent messages on streams of their own
+for :data:`RETRY_S` before a channel is tried again.
 
 ``SWARMPIPE_CHANNELS=0`` in a sender's environment turns channels off there (every message on a stream
 of its own, as before channels existed; the control-plane benchmark's "before" variant).
@@ -242,8 +245,8 @@ class _Channel:
             raise PeerFailure(
                 f"{name} to {self.peer_id} failed: {e}", peer=str(self.peer_id), reason="unreachable"
             ) from None
-        except asyncio.CancelledError:  # the caller's timeout: a channel silent since is presumed dead
-            if self.last_heard < sent:
+        except asyncio.CancelledError:  # the caller's timeout: see "Failures" in the module docstring
+            if self.last_heard < sent and list(self._pending) == [cid]:
                 self.close()
             raise
         finally:
