@@ -179,12 +179,12 @@ async def _serve_channel(served: _Served, parts: Any, context: P2PContext) -> An
 
     receiver = asyncio.ensure_future(receive())
     closer = asyncio.ensure_future(stop.wait())
+    getter: asyncio.Future | None = None
     try:
         while True:
             getter = asyncio.ensure_future(replies.get())
             await asyncio.wait({getter, closer}, return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
-                getter.cancel()
                 return
             reply = getter.result()
             if reply is None:
@@ -196,6 +196,8 @@ async def _serve_channel(served: _Served, parts: Any, context: P2PContext) -> An
     finally:
         served.inbound.discard(stop)
         closer.cancel()
+        if getter is not None:
+            getter.cancel()
         receiver.cancel()  # its handlers run on (they are not cancelled mid-way); their replies are dropped
 
 
