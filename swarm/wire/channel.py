@@ -164,7 +164,8 @@ async def _serve_channel(served: _Served, parts: Any, context: P2PContext) -> An
         try:
             async for part in parts:
                 parsed = split_uid(part.uid, served.tag)
-                if parsed is None:  # not a channel frame: the sender speaks something else
+                if parsed is None:  # not a channel frame: the sender speaks something else; no linger
+                    stop.set()
                     logger.debug(
                         "channel from %s: unparseable frame %r, closing", context.remote_id, part.uid[:80]
                     )
