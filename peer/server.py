@@ -359,8 +359,10 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
             await asyncio.to_thread(self._averager.shutdown)
             self._averager = None
         if self._p2p is not None:
-            with contextlib.suppress(Exception):
-                for name in _HANDLED:
+            for (
+                name
+            ) in _HANDLED:  # each on its own: one the daemon cannot remove must not keep the rest served
+                with contextlib.suppress(Exception):
                     await unserve(self._p2p, name)
             close_channels(self._p2p)
             # a replicated P2P's shutdown closes its handler socket and removes the socket file

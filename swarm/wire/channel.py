@@ -48,6 +48,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.errors import PeerFailure
+from swarm.traffic import message_kind
 
 __all__ = [
     "CHANNEL",
@@ -235,7 +236,7 @@ class _Channel:
         self._next_cid += 1
         future = asyncio.get_running_loop().create_future()
         self._pending[cid] = future
-        part.uid = f"{tag}|{name.rsplit('.', 1)[-1]}|{cid}"
+        part.uid = f"{tag}|{message_kind(name)}|{cid}"
         sent = time.monotonic()
         try:
             async with (
