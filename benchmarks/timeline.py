@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.links import Job, LinksConfig, _run_job, pipelining_spec, run_swarm
-from benchmarks.netlab import LoopbackLab
+from benchmarks.netlab import open_lab
 from benchmarks.pipelining_baseline import ROOT
 from benchmarks.report import machine_info
 from benchmarks.timeline_analysis import Pass, build_passes, cores, hops, stage_table, steady_window
@@ -107,19 +107,27 @@ def run_once(
     mb: int,
     trainer_args: Sequence[str] = (),
     keeper: bool = True,
+    rate: str = "none",
 ) -> dict[str, Any]:
-    """One swarm run with timelines and/or one 1F1B run on loopback (``keeper``: ``swarm init`` keeps
-    stage snapshots, as by default)."""
+    """One swarm run with timelines and/or one 1F1B run, on loopback or, with a ``rate``, in the
+    network lab with every node's egress shaped to it (``keeper``: ``swarm init`` keeps stage
+    snapshots, as by default)."""
     nodes = {"boot": "boot", "trainer": "trainer", "stages": [f"s{i}" for i in range(8)]}
     n_cores = os.cpu_count() or 1
     out: dict[str, Any] = {"load_start": os.getloadavg()}
     lcfg = dataclasses.replace(lcfg, throughput_mb=mb)
-    with LoopbackLab(["boot", "trainer", *nodes["stages"]]) as lab:
+    names = ["boot", "trainer", *nodes["stages"]]
+    with open_lab(names, loopback=rate == "none", rate=rate) as lab:
         if swarm:
             tl = work / "timelines"
             (work / "swarm").mkdir(parents=True, exist_ok=True)
             job = Job(
-                kind="swarm", codec="blockwise8", mode="async", micro_batches=mb, purposes=("throughput",)
+                kind="swarm",
+                codec="blockwise8",
+                mode="async",
+                micro_batches=mb,
+                purposes=("throughput",),
+                rate=rate,
             )
             res = run_swarm(
                 lab,
@@ -138,7 +146,9 @@ def run_once(
             base = work / "base.json"
             base.parent.mkdir(parents=True, exist_ok=True)
             base.write_bytes(pipelining_spec(lcfg).canonical_bytes())
-            job = Job(kind="pipelining", schedule="1f1b", micro_batches=mb, purposes=("throughput",))
+            job = Job(
+                kind="pipelining", schedule="1f1b", micro_batches=mb, purposes=("throughput",), rate=rate
+            )
             threads = lcfg.threads or max(1, n_cores // 4)
             res = _run_job(lab, lcfg, job, work / "pipe", nodes, base, threads)
             out["pipelining"] = {"tokens_per_s": res.get("tokens_per_s"), **pipelining_busy(res)}
@@ -158,6 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="swarm init without its keeper (no stage snapshots downloaded)",
     )
+    p.add_argument(
+        "--rate",
+        default="none",
+        help="shape every node's egress to this rate in the network lab (root), e.g. 20mbit; none = loopback",
+    )
     p.add_argument("--analyze", type=Path, default=None, help="analyse the timelines in this directory")
     p.add_argument(
         "--render", action="store_true", help="rewrite BENCHMARKS.md 'Where the cycles go' from the JSON"
@@ -173,12 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(analysis, indent=1))
         return 0
     name = f"timeline_{args.tag}" if args.tag else "timeline"
-    lcfg = LinksConfig(loopback=True, rates=("none",))
+    lcfg = LinksConfig(loopback=args.rate == "none", rates=(args.rate,))
     report: dict[str, Any] = {
         "machine": machine_info(),
         "micro_batches": args.micro_batches,
         "trainer_args": args.trainer_args,
         "keeper": not args.no_keeper,
+        "rate": args.rate,
         "runs": [],
     }
     t0 = time.time()
@@ -192,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mb=args.micro_batches,
                 trainer_args=args.trainer_args.split(),
                 keeper=not args.no_keeper,
+                rate=args.rate,
             )
             passes = r.pop("_passes")
             if rep == 0:
