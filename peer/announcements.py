@@ -40,10 +40,26 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AnnounceRule", "MoveReads", "MATERIAL_FIELDS", "REFRESH_TICKS"]
+__all__ = [
+    "AnnounceRule",
+    "EveryNth",
+    "MoveReads",
+    "DONOR_PRIORITY_EVERY_STORES",
+    "MATERIAL_FIELDS",
+    "REFRESH_TICKS",
+]
 
 REFRESH_TICKS = 3
 """Ticks of the announce loop between two stores of an unchanged record."""
+DONOR_PRIORITY_EVERY_STORES = 2
+"""A store of the record also refreshes the donor priority (the stage version, which joiners use to pick
+the most advanced donor) on the first and then every this many-th store. hivemind declares a changed
+priority at once, a DHT store of its own (~5 finds and 2 stores in a swarm of a few nodes); while a stage
+trains its version changes between any two stores, so every record store also cost a declaration.
+Trades: a donor's declared priority lags its version by up to two refreshes (30 s) instead of one; live
+replicas of a stage are within a few versions of each other and a keeper's priority is below every live
+peer's (``swarm.dht.snapshots.keeper_priority``), so a joiner still downloads from a live replica, at
+worst from one a few versions behind the newest, and catches up with its rounds or steps."""
 MATERIAL_FIELDS = ("peer_id", "run_id", "stage", "state", "codecs", "spec_hash", "software")
 """Record fields whose change is stored at once."""
 
@@ -118,3 +134,20 @@ class MoveReads:
     def read(self, alone: bool) -> None:
         """A read was made; ``alone``: it showed this peer as its stage's only active peer."""
         self.alone, self.skipped = alone, 0
+
+
+@dataclass
+class EveryNth:
+    """Says yes on the first call and then on every ``n``-th one (a duty done with every few stores)."""
+
+    n: int
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n = {self.n} must be at least 1")
+
+    def due(self) -> bool:
+        due = self.calls % self.n == 0
+        self.calls += 1
+        return due

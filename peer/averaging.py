@@ -56,6 +56,14 @@ import torch
 
 from peer.round_buffer import RoundBuffer
 
+DECLARE_STATE_PERIOD_S = 60.0
+"""How often a donor re-declares itself (hivemind's ``declare_state_period``; a declaration is a DHT store
+under ``<prefix>.all_averagers`` that lives one period). hivemind's default is 30 s; 60 s halves these
+stores of an idle peer (note "idle control plane", swarm/dht/network.py). A change of ``allow`` or of the
+priority is declared at once whatever the period, so what it trades is only how long a dead donor's
+declaration outlives it (up to 60 s instead of 30 s): a joiner that picks it fails at once (its
+connection is refused) and tries the next donor (``DonorFailureFilter``), as before."""
+
 __all__ = ["RoundResult", "StageAverager", "averager_prefix"]
 
 logger = logging.getLogger(__name__)
@@ -364,9 +372,7 @@ class StageAverager:
             min_matchmaking_time=min_matchmaking_time_s,
             request_timeout=min(request_timeout_s, min_matchmaking_time_s / 2),
             allow_state_sharing=False,
-            # a donor declaration (a DHT store) lives one period; hivemind's default 30 s instead of 10 s: a
-            # third of the stores (benchmarks/control_plane.py), a dead donor fails fast and is skipped
-            declare_state_period=30.0,
+            declare_state_period=DECLARE_STATE_PERIOD_S,
             next_chunk_timeout=10.0,
             shutdown_timeout=5.0,
         )

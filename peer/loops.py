@@ -107,7 +107,9 @@ class Background:
         stored = self._announcements.reason(self._record(), time.monotonic()) is not None
         if stored:
             await self._announce()
-            if self._averager is not None:  # the donor priority (a DHT store whenever it changes) with it
+            # the donor priority (a DHT store whenever it changes) with every few stores (note "idle
+            # control plane": DONOR_PRIORITY_EVERY_STORES in peer/announcements.py)
+            if self._averager is not None and self._donor_priority.due():
                 self._averager.share_state(True, priority=self.compute.version)
         replicas = self._compute.replicas if self._compute is not None else 1
         if self._recount.on_tick(

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from peer.admission import Admission
-from peer.announcements import AnnounceRule, MoveReads
+from peer.announcements import DONOR_PRIORITY_EVERY_STORES, AnnounceRule, EveryNth, MoveReads
 from peer.averaging import StageAverager
 from peer.compute import StageCompute
 from peer.config import PeerConfig, resolve_device
@@ -106,6 +106,7 @@ class StagePeer(StageJoining, Background, RequestHandlers, WorkerTasks):
         self._announcements = AnnounceRule(config.announce_period_s)  # note "announce on change"
         self._recount = Recount()  # note "replica recount"
         self._move_reads = MoveReads()  # note "lone reads"
+        self._donor_priority = EveryNth(DONOR_PRIORITY_EVERY_STORES)  # with every few record stores
         self._rounds: ReplicaRounds | None = None
         self._round_counters: dict[str, int] = dict.fromkeys(ReplicaRounds.COUNTERS, 0)  # of stages left
         self._switch_lock = asyncio.Lock()

@@ -253,3 +253,42 @@ def test_a_lone_peer_reads_the_stage_lists_every_refresh_ticks_and_a_peer_with_m
     assert reads.due(replicas=2)  # a stage-mate counted (a joiner downloaded from us): read now
     reads.read(alone=False)
     assert all(reads.due(replicas=1) for _ in range(4))  # not alone: every tick
+
+
+def test_the_donor_priority_rides_on_every_other_store():
+    from peer.announcements import DONOR_PRIORITY_EVERY_STORES, EveryNth
+
+    every = EveryNth(DONOR_PRIORITY_EVERY_STORES)
+    assert [every.due() for _ in range(5)] == [True, False, True, False, True]  # the first store at once
+    assert [EveryNth(1).due() for _ in range(3)] == [True] * 3
+    with pytest.raises(ValueError):
+        EveryNth(0)
+
+
+def test_the_dht_stores_each_value_on_fewer_nodes_than_hiveminds_default():
+    from swarm.dht.network import DHT_CACHE_NEAREST, DHT_NUM_REPLICAS, DHT_STORE_BEAM
+
+    # hivemind's default 5; every record of ours is refreshed (note "idle control plane")
+    assert 2 <= DHT_NUM_REPLICAS < 5
+    assert DHT_STORE_BEAM >= DHT_NUM_REPLICAS  # a store's walk must reach as many nodes as it stores on
+    assert DHT_CACHE_NEAREST == 0  # every read of ours asks for the latest value: caches serve none
+
+
+def test_dht_rpc_counts_are_summed_per_role_and_per_operation():
+    from benchmarks.dht_rpcs import diff, distinct_peers, summarize
+
+    before = {1: {"role": "peer 0", "counts": {"call_find|store k": 5, "op store|store k": 1}}}
+    after = {
+        1: {
+            "role": "peer 0",
+            "counts": {"call_find|store k": 15, "call_store|store k": 4, "op store|store k": 3},
+            "targets": {"store k": [3, 15]},
+        },
+        2: {"role": "init", "counts": {"call_find|get s": 6}, "targets": {"get s": [1, 5]}},
+    }
+    per_role = diff(before, after)
+    assert per_role["peer 0"] == {"call_find|store k": 10, "call_store|store k": 4, "op store|store k": 2}
+    report = summarize(per_role, seconds=30.0)
+    assert report["rpcs_per_min"] == {"call_find": 32.0, "call_store": 8.0, "op store": 4.0}
+    assert report["rpcs_per_min_by_operation"] == {"store k": 28.0, "get s": 12.0}  # RPCs only, not ops
+    assert distinct_peers(after)["store k"] == {"operations": 3, "distinct_nodes_each": 5.0}

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from peer.recount import MEMBER_CHECK_S, RECOUNT_DELAYS_S, Recount, member_check_due
+from peer.recount import LONE_COUNT_EVERY_STORES, MEMBER_CHECK_S, RECOUNT_DELAYS_S, Recount, member_check_due
 from swarm.client.liveness import LivenessConfig
 from swarm.dht.records import PeerRecord
 from swarm.train.config import TrainerConfig
@@ -28,9 +28,22 @@ def record(pid: str, stage: int, **kw) -> PeerRecord:
 
 
 def test_ticks_count_when_stored_or_replicated():
-    assert Recount.on_tick(stored=True, replicas=1)
-    assert Recount.on_tick(stored=False, replicas=2)  # a dead replica must be found
-    assert not Recount.on_tick(stored=False, replicas=1)  # a lone replica waits for a store or a hint
+    assert Recount().on_tick(stored=True, replicas=1)  # the first store of a lone replica counts
+    assert Recount().on_tick(stored=False, replicas=2)  # a dead replica must be found
+    assert not Recount().on_tick(stored=False, replicas=1)  # a lone replica waits for a store or a hint
+
+
+def test_a_lone_replica_counts_on_every_few_stores_and_a_replicated_one_on_every_tick():
+    r = Recount(lone_every=3)
+    alone = [r.on_tick(stored=True, replicas=1) for _ in range(7)]
+    assert alone == [True, False, False, True, False, False, True]
+    assert not r.on_tick(stored=False, replicas=1)  # a tick without a store never counts alone
+    assert all(r.on_tick(stored=s, replicas=2) for s in (False, True, False))
+    # alone again (a stage-mate left): its first store counts at once, then every third
+    assert [r.on_tick(stored=True, replicas=1) for _ in range(4)] == [True, False, False, True]
+    assert LONE_COUNT_EVERY_STORES == 3  # 45 s with the default 15 s refresh (peer/recount.py)
+    with pytest.raises(ValueError):
+        Recount(lone_every=0)
 
 
 def test_a_hint_schedules_counts_until_the_delays_are_used_up():

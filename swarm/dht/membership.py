@@ -41,6 +41,7 @@ removes a dead peer's record):
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import threading
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
-from swarm.dht.network import local_signer
+from swarm.dht.network import DHT_STORE_BEAM, get_latest_many, local_signer
 from swarm.dht.records import (
     MAX_SPEC_BYTES,
     REGISTRY_KEY,
@@ -229,20 +230,29 @@ class Membership:
         return bool(
             self._call(
                 lambda: self._result(
-                    self.dht.store(key, value, expiration, subkey=subkey, return_future=True), f"store {key}"
+                    self.dht.store(
+                        key, value, expiration, subkey=subkey, beam_size=DHT_STORE_BEAM, return_future=True
+                    ),
+                    f"store {key}",
                 )
             )
         )
 
     def _get_many(self, keys: list[str]) -> list[dict[Any, Any]]:
-        """``get(latest=True)`` of several keys (sent back to back, answered concurrently by the DHT)."""
+        """``get(latest=True)`` of several keys, in one walk of the DHT for all of them."""
 
         for key in keys:
             TRAFFIC.add(f"dht_get.{record_kind(key)}", header=len(key))
 
         def run() -> list[Any]:
-            futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
-            return [self._result(f, f"get {key}") for f, key in zip(futures, keys, strict=True)]
+            if len(keys) == 1:
+                return [
+                    self._result(self.dht.get(keys[0], latest=True, return_future=True), f"get {keys[0]}")
+                ]
+            # note "one walk for several keys" (swarm/dht/network.py): fewer RPCs than one walk per key
+            walk = functools.partial(get_latest_many, keys=tuple(keys))
+            found = self._result(self.dht.run_coroutine(walk, return_future=True), f"get {', '.join(keys)}")
+            return [found.get(key) for key in keys]
 
         out = []
         for key, found in zip(keys, self._call(run), strict=True):

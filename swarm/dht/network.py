@@ -45,13 +45,47 @@ if TYPE_CHECKING:  # hivemind takes seconds to import; only the functions that s
     import hivemind
     from hivemind.utils.crypto import RSAPrivateKey
 
+# Note "idle control plane" (BENCHMARKS.md "Control plane", session 15): an idle swarm's DHT traffic is
+# RPCs, each a libp2p stream of its own (~1.3 KB on the wire whatever it carries). Counted in an idle
+# swarm of 4 stage peers (benchmarks/dht_rpcs.py): every store made ~5 ``rpc_find`` and 4 ``rpc_store``.
+DHT_NUM_REPLICAS = 3
+"""Nodes that store each value (hivemind's default 5). Every store sends one ``rpc_store`` per replica
+besides itself, and every record of ours is stored again by its writer well before it expires (a peer
+record every 15 s, living 45 s; spec and registry every 30 s; progress every 15 s), so a value needs to
+survive only the departures of one refresh period. Reads ask for the latest value (``latest=True``),
+which walks the whole beam of nodes nearest the key, so they find any replica. Measured (idle swarm):
+stores 4 -> 2-3 ``rpc_store`` each; a writer that is not itself among the 3 nodes nearest the key made
+~4 more ``rpc_find`` per store than one that is (cause not found), which eats part of the saving. Trades:
+a value is lost when all 3 holders leave within one refresh period (it comes back with the writer's
+next store), instead of all 5."""
+DHT_STORE_BEAM = DHT_NUM_REPLICAS
+"""How many nodes a store of ours walks to find the ``DHT_NUM_REPLICAS`` nearest the key (hivemind's
+default is its ``bucket_size``, 20: in a swarm of fewer nodes a store visited every node with an
+``rpc_find`` before it stored on 3 of them). A walk of the 3 nearest is a Kademlia lookup with k = 3:
+it starts from the nodes nearest the key in this node's routing table and visits them nearest first,
+following any nearer node they name. Reads keep hivemind's full beam, so a value a store put on a node
+that is not quite among the nearest (a routing table that missed a node that just joined) is still
+read, and the next refresh stores it on the right ones. Measured: 2 ``rpc_find`` fewer per store.
+Trades: none for what reads return; on the averager's stores (its donor declarations, hivemind's own
+calls) it does not apply."""
+DHT_CACHE_NEAREST = 0
+"""Nodes a read pushes the value it found to (hivemind's default 1: an extra ``rpc_store`` after a read
+that found a value newer than the copies it saw, 3-6 a minute in the idle swarm, more while trainers
+read). Such a cached copy only serves reads that accept any unexpired value; every read of ours, and
+the averager's matchmaking and donor reads, ask for the latest one. Trades nothing here."""
+
+
 __all__ = [
+    "DHT_NUM_REPLICAS",
+    "DHT_STORE_BEAM",
+    "DHT_CACHE_NEAREST",
     "LOOPBACK_HOST_MADDR",
     "PUBLIC_HOST_MADDR",
     "INITIAL_PEER_EXAMPLE",
     "DHTConfig",
     "LocalSigner",
     "start_dht",
+    "get_latest_many",
     "local_signer",
     "visible_maddrs",
     "parse_maddrs",
@@ -355,6 +389,8 @@ def start_dht(cfg: DHTConfig) -> hivemind.DHT:
                 # cannot answer; refreshing cached keys before they expire only re-fetched them in the
                 # background, on every node that had read them (benchmarks/control_plane.py measures it).
                 cache_refresh_before_expiry=0,
+                num_replicas=DHT_NUM_REPLICAS,
+                cache_nearest=DHT_CACHE_NEAREST,
             )
         except P2PDaemonError as e:
             raise _daemon_failure(e, cfg) from e
@@ -369,6 +405,18 @@ def start_dht(cfg: DHTConfig) -> hivemind.DHT:
         dht.shutdown()
         raise AssertionError("p2pd did not take the RSA identity it was given")  # an invariant of this module
     return dht
+
+
+async def get_latest_many(_dht: Any, node: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The latest value of each of ``keys`` (None where none is found), in one walk of the DHT: run it in
+    the DHT's process with ``dht.run_coroutine(functools.partial(get_latest_many, keys=...))``.
+
+    Note "one walk for several keys" (note "idle control plane"): ``dht.get(key, latest=True)`` per key
+    walks the nodes nearest each key separately, one ``rpc_find`` per node and key; hivemind's
+    ``get_many`` walks them for all keys at once and packs up to sqrt(len(keys)) keys into each
+    ``rpc_find`` (2 of a trainer's 4 stage keys), answering the same values and expirations. A module-level
+    function: ``run_coroutine`` pickles it by reference into the DHT's process."""
+    return await node.get_many(list(keys), sufficient_expiration_time=float("inf"))
 
 
 def _daemon_failure(e: Exception, cfg: DHTConfig) -> ConfigError | PeerFailure:
