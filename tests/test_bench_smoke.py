@@ -589,3 +589,34 @@ def test_round_cost_runs_rounds_of_two_averagers_and_writes_its_figures(tmp_path
     (r,) = result["rounds"]
     assert r["values"] == 100 and r["completed"] == [2, 2]
     assert r["cpu_ms_per_round_both_members"] > 0 and result["dht_store_cpu_ms"] > 0
+
+
+def test_stage_cost_compares_the_peer_path_with_plain_torch(tmp_path):
+    """benchmarks/stage_cost.py on a tiny model: every stage measured on both paths, a JSON report."""
+    import yaml
+
+    from benchmarks import stage_cost
+
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({**TINY, "optimizer": {**TINY["optimizer"], "mode": "async"}}))
+    out = tmp_path / "stage_cost.json"
+    args = [
+        "--spec",
+        str(spec),
+        "--accumulate",
+        "2",
+        "--micro-batches",
+        "4",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert stage_cost.main(args) == 0
+    report = json.loads(out.read_text())
+    assert [r["stage"] for r in report["stages"]] == [0, 1]
+    for row in report["stages"]:
+        assert row["peer_cpu_s"] > 0 and row["plain_cpu_s"] > 0
+        assert math.isclose(row["ratio"], row["peer_cpu_s"] / row["plain_cpu_s"])
+    with pytest.raises(SystemExit):
+        stage_cost.main(["--spec", str(spec), "--accumulate", "3", "--micro-batches", "4", "--out", str(out)])
