@@ -788,6 +788,8 @@ def swarm_figures(
                 "tokens": r.get("tokens"),
                 "wall_s": r.get("time"),
                 "eval_loss": r["eval_loss"],
+                "eval_s": r.get("eval_s"),
+                "paused": bool(r.get("paused")),
             }
             for r in evals
             if r.get("tokens") is not None and r.get("time") is not None

@@ -30,9 +30,12 @@ Protocol (:func:`plan`, :func:`run_all`):
    evaluates through the swarm every ``eval_every`` steps (``swarm train --eval-every``, the trainer's own
    held-out evaluation: the held-out micro-batches in inference mode through the pipeline, a
    ``{"type": "eval"}`` record in metrics.jsonl) and is stopped (SIGTERM) at the first evaluation <= L or
-   at a cap. Its clock runs from the trainer's first micro-batch to the *end* of that evaluation: its
-   evaluations overlap training and cannot be taken out, so they are *included* (conservative against
-   the swarm); activations cross with the configuration's codec in the evaluation as well.
+   at a cap. Its clock runs from the trainer's first micro-batch to the *end* of that evaluation. In
+   async mode its evaluations overlap training and cannot be taken out, so they are *included*
+   (conservative against the swarm); in sync mode training waits for each evaluation round, as 1F1B's
+   does between its steps (note "evaluation between windows" in swarm/train/steps.py), and the rounds'
+   time is taken out as 1F1B's is (the time with them is kept as well). Activations cross with the
+   configuration's codec in the evaluation as well.
 4. Start-up (process starts, gloo rendezvous, DHT discovery) is excluded on both sides. Caps: a run
    stops at ``max_factor`` x N tokens or ``max_train_s`` seconds of its clock; then it has "not reached"
    the target, and the report says so with its best loss.

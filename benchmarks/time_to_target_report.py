@@ -3,7 +3,9 @@
 Every run's held-out curve becomes points ``(clock seconds, tokens, loss)`` (:func:`curve`): 1F1B's
 clock is its training time without evaluations (``train_s``); a swarm's is the trainer's record time
 minus its first send, at the end of each evaluation (evaluations included, see
-``benchmarks/time_to_target.py``). :func:`analyse` finds each run's first point at or below the goal
+``benchmarks/time_to_target.py``), except for rounds that training waited for (sync mode: ``paused``
+records, note "evaluation between windows" in swarm/train/steps.py), whose ``eval_s`` is taken out as
+1F1B's evaluations are; ``s_with_evals`` keeps them in. :func:`analyse` finds each run's first point at or below the goal
 (target x (1 + tolerance)) and, per rate, the ratio of 1F1B's seconds to those of the fastest swarm
 configuration that reached the goal.
 """
@@ -36,9 +38,17 @@ def curve(r: dict[str, Any]) -> list[dict[str, float]]:
         return []
     if r.get("kind") == "swarm":
         t0 = r.get("first_send_s") or 0.0
-        return [
-            {"s": e["wall_s"] - t0, "tokens": e["tokens"], "loss": e["eval_loss"]} for e in r.get("evals", [])
-        ]
+        out, paused_s = [], 0.0
+        for e in r.get("evals", []):
+            pt = {"s": e["wall_s"] - t0, "tokens": e["tokens"], "loss": e["eval_loss"]}
+            if e.get("paused") and e.get("eval_s") is not None:
+                # training waited for this round (sync: note "evaluation between windows" in
+                # swarm/train/steps.py): its clock stops while rounds run, as 1F1B's does
+                paused_s += e["eval_s"]
+                pt["s_with_evals"] = pt["s"]
+                pt["s"] -= paused_s
+            out.append(pt)
+        return out
     out = []
     for p in r.get("losses", []):
         if p.get("eval_loss") is None:

@@ -121,6 +121,22 @@ def test_analyse_times_tokens_and_the_ratio():
     assert a["per_rate"]["20mbit"]["ratio_at_least"] == pytest.approx(3.0)
 
 
+def test_a_sync_swarms_paused_evaluations_leave_its_clock():
+    """Rounds that training waited for (``paused``) are taken out of a swarm's clock, as 1F1B's are;
+    overlapping ones (async) stay in."""
+    from benchmarks.time_to_target_report import curve
+
+    swarm = [
+        {"step": 1, "tokens": 100, "wall_s": 8.0, "eval_loss": 3.4, "eval_s": 1.0, "paused": True},
+        {"step": 2, "tokens": 200, "wall_s": 15.0, "eval_loss": 2.9, "eval_s": 1.5, "paused": True},
+    ]
+    pts = curve(_report([], swarm)["results"][2])
+    assert [p["s"] for p in pts] == [2.0, 7.5]  # minus the first send (5 s) and the rounds so far
+    assert [p["s_with_evals"] for p in pts] == [3.0, 10.0]
+    overlapping = [dict(e, paused=False) for e in swarm]
+    assert [p["s"] for p in curve(_report([], overlapping)["results"][2])] == [3.0, 10.0]
+
+
 @pytest.mark.slow
 def test_time_to_target_benchmark_smoke(tmp_path):
     """The whole benchmark on a tiny model: reference, 1F1B and two swarm configurations, each stopped
@@ -191,7 +207,9 @@ def test_swarm_figures_keep_evaluations_and_the_first_send(tmp_path):
     ]
     fig = swarm_figures(records, {}, tokens_per_mb=50, warmup_mb=0, window_mb=2)
     assert fig["first_send_s"] == 5.0
-    assert fig["evals"] == [{"step": 1, "tokens": 100, "wall_s": 8.0, "eval_loss": 4.5}]
+    assert fig["evals"] == [
+        {"step": 1, "tokens": 100, "wall_s": 8.0, "eval_loss": 4.5, "eval_s": None, "paused": False}
+    ]
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"type": "step", "step": 1}\n{"type": "st')  # a line still being written
     assert read_records(path) == [{"type": "step", "step": 1}]

@@ -283,6 +283,39 @@ def test_sync_mode_sends_accumulate_then_waits(tmp_path):
     assert sim.max_inflight_seen == 3  # never more than one window of `accumulate` in the swarm
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sync_training_waits_for_an_evaluation_round_and_async_overlaps_it(tmp_path, mode):
+    """Note "evaluation between windows": in sync mode no training micro-batch is in flight with an
+    evaluation's, and its record says that training paused for ``eval_s``; async rounds overlap."""
+    spec = make_spec(mode, accumulate=2)
+
+    class Watched(SimSwarm):
+        modes: dict[str, str] = {}  # mb_id -> mode, while in flight
+        mixed = 0  # sends that found the other kind in flight
+
+        async def send_forward(self, *, mb_id, mode, **kw) -> dict:
+            if any(m != mode for m in self.modes.values()):
+                self.mixed += 1
+            self.modes[mb_id] = mode
+            return await super().send_forward(mb_id=mb_id, mode=mode, **kw)
+
+        def _report(self, mb_id: str, kind: str, stage: int, peer: str, **kw) -> None:
+            if kind in ("done", "result", "failed"):
+                self.modes.pop(mb_id, None)
+            super()._report(mb_id, kind, stage, peer, **kw)
+
+    sim = Watched(spec, {0: ["a0"], 1: ["a1"]})
+    sim.hop_s = 0.01
+    summary = run(Trainer(config(tmp_path, steps=8, max_inflight=4, eval_every=2)), sim, spec)
+    assert summary["micro_batches"]["completed"] == 16
+    evals = read_metrics(tmp_path / "metrics.jsonl", "eval")
+    assert [e["step"] for e in evals] == [2, 4, 6, 8] and all(e["eval_s"] >= 0 for e in evals)
+    if mode == "sync":
+        assert sim.mixed == 0 and all(e["paused"] for e in evals)
+    else:
+        assert sim.mixed > 0 and not any(e["paused"] for e in evals)
+
+
 def test_a_report_callback_only_records_it_and_the_loop_closes_the_steps(tmp_path):
     """Nothing changes under the link's callback: the ledger and the steps move when the loop reacts."""
     spec = make_spec(accumulate=2)

@@ -325,12 +325,21 @@ class TrainLoop:
     def _fill(self, now: float, *, open_new: bool) -> None:
         if self.evaluation.due and self.evaluation.round is None:
             self._open_eval()
+        if self.policy.lockstep and self.evaluation.round is not None:
+            open_new = False  # note "evaluation between windows" (swarm/train/steps.py)
         self._send_more(now, open_new)
         self.policy.track(now, self.ledger.inflight())
 
     def _open_eval(self) -> None:
         # the weights being evaluated are those of this step
-        self.evaluation.open(self.ledger, self.data, step=self.book.step, tokens=self.book.tokens_done)
+        self.evaluation.open(
+            self.ledger,
+            self.data,
+            step=self.book.step,
+            tokens=self.book.tokens_done,
+            elapsed_s=self.records.elapsed(),
+            paused=self.policy.lockstep,
+        )
 
     def _next_micro_batch(self, open_new: bool) -> MicroBatch | None:
         for mb in self.ledger.pending():  # retries and evaluations first, oldest first

@@ -131,7 +131,13 @@ class StepBook:
 
 
 class Evaluation:
-    """Held-out loss through the swarm every ``every`` trainer steps (and at the end): one round at a time."""
+    """Held-out loss through the swarm every ``every`` trainer steps (and at the end): one round at a time.
+
+    Note "evaluation between windows": in sync mode (a lockstep policy) the loop opens no new window while
+    a round runs, and a round opens only after a step closed, i.e. with nothing of training in flight; so
+    the round sees exactly one version of every stage (the step's), as a synchronous pipeline evaluates
+    between its steps, and its time is known (``eval_s`` with ``paused: true`` in the record: training
+    time is the record time minus those). In async mode rounds overlap training (``paused: false``)."""
 
     def __init__(self, *, every: int, batches: int, micro_batch_size: int, target_steps: int):
         self.every = every
@@ -142,14 +148,26 @@ class Evaluation:
         self.round: list[int] | None = None  # ledger indices of the round in progress
         self.step = 0  # the step whose weights the round evaluates
         self.tokens = 0
+        self.opened_s = 0.0  # the session's elapsed seconds when the round opened
+        self.paused = False  # training waits for the round (note "evaluation between windows")
 
     def step_closed(self, step: int) -> None:
         if self.every and step % self.every == 0 and step < self.target_steps:
             self.due = True  # the last step's round is the final one, after the drain
 
-    def open(self, ledger: Ledger, data: TokenData, *, step: int, tokens: int) -> None:
+    def open(
+        self,
+        ledger: Ledger,
+        data: TokenData,
+        *,
+        step: int,
+        tokens: int,
+        elapsed_s: float = 0.0,
+        paused: bool = False,
+    ) -> None:
         self.due = False
         self.step, self.tokens = step, tokens
+        self.opened_s, self.paused = elapsed_s, paused
         self.round = [
             ledger.open("eval", x.numel(), data={"tokens": x, "targets": y, "avoid": set()}).index
             for x, y in data.eval_batches(self.micro_batch_size, self.batches)
@@ -171,4 +189,6 @@ class Evaluation:
             "tokens": self.tokens,
             "eval_loss": sum(losses) / len(losses) if losses else None,
             "eval_micro_batches": len(losses),
+            "eval_s": round(max(0.0, elapsed_s - self.opened_s), 3),
+            "paused": self.paused,
         }
