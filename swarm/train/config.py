@@ -49,7 +49,9 @@ class TrainerConfig:
     seed: int = 0
     """Seed of data sampling and routing; give each trainer of a run its own to read different text."""
     eval_every: int = integer(0, lo=0, hint="Use 0 (never) or a step count.")
-    """Evaluate held-out loss through the swarm every N trainer steps (and at the end); 0 = never."""
+    """Evaluate held-out loss through the swarm every N trainer steps (and at the end); 0 = never. In
+    sync mode training waits for each evaluation (it sees exactly that step's weights); in async mode
+    evaluations overlap training (swarm/train/steps.py, note "evaluation between windows")."""
     eval_batches: int = integer(2, lo=1, hint="Use e.g. 2.")
     """Held-out micro-batches per evaluation."""
     progress_interval_s: float = number(10.0, gt=0.0, hint="Give a positive number of seconds.")
