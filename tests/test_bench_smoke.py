@@ -588,7 +588,9 @@ def test_round_cost_runs_rounds_of_two_averagers_and_writes_its_figures(tmp_path
     result = json.loads(out.read_text())
     (r,) = result["rounds"]
     assert r["values"] == 100 and r["completed"] == [2, 2]
-    assert r["cpu_ms_per_round_both_members"] > 0 and result["dht_store_cpu_ms"] > 0
+    assert r["cpu_ms_per_round_both_members"] > 0
+    # a couple of DHT stores and reads can take less CPU than one clock tick (10 ms) of /proc in all
+    assert result["dht_store_cpu_ms"] >= 0 and result["dht_get_cpu_ms"] >= 0
 
 
 def test_stage_cost_compares_the_peer_path_with_plain_torch(tmp_path):
