@@ -6,6 +6,7 @@ Run (from the repository root; everything on loopback, no root needed)::
     python -m benchmarks.convergence --quick             # 4 short runs, 1 seed, 1 corpus (~5 min on 2 cores)
     python -m benchmarks.convergence                     # the whole matrix (108 runs; ~6.5 h on 2 cores)
     python -m benchmarks.convergence --configs 'p2-*' --seeds 0 --corpora stdlib   # a part of it
+    python -m benchmarks.convergence --codecs lowrank --configs p1-sync-lowrank --seeds 0   # another codec
     python -m benchmarks.convergence --skip-done         # go on where an interrupted run stopped
     python -m benchmarks.convergence --render            # rewrite the Convergence section from the JSON
 
@@ -1231,6 +1232,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=None)
     parser.add_argument(
+        "--codecs",
+        nargs="+",
+        default=None,
+        help="activation and gradient codecs of the swarm configurations (default: none blockwise8)",
+    )
+    parser.add_argument(
         "--corpora", nargs="+", default=None, help=f"corpus names (built in: {', '.join(CORPORA)})"
     )
     parser.add_argument(
@@ -1277,7 +1284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(not sep or not n for n, sep, _ in pairs):
             raise SystemExit("--corpus takes NAME=PATH, e.g. --corpus licenses=/usr/share/common-licenses")
         kw["corpus_paths"] = {n: p for n, _, p in pairs}
-    for name in ("seeds", "corpora"):
+    for name in ("seeds", "corpora", "codecs"):
         if getattr(args, name) is not None:
             kw[name] = tuple(getattr(args, name))
     for name in ("micro_batches", "eval_tokens", "churn_every_s", "max_inflight"):

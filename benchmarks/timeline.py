@@ -4,6 +4,7 @@ Run (from the repository root; loopback, no root needed)::
 
     python -m benchmarks.timeline                      # bench model, 72 micro-batches, swarm + 1F1B, ~4 min
     python -m benchmarks.timeline --reps 2 --tag after # two of each, results/timeline_after.json
+    python -m benchmarks.timeline --mode sync --rate 20mbit --no-pipelining   # the sync swarm, shaped
     python -m benchmarks.timeline --analyze DIR        # only analyse the peer*.jsonl timelines in DIR
     python -m benchmarks.timeline --render             # BENCHMARKS.md "Where the cycles go" from the JSON
 
@@ -108,6 +109,8 @@ def run_once(
     trainer_args: Sequence[str] = (),
     keeper: bool = True,
     rate: str = "none",
+    mode: str = "async",
+    codec: str = "blockwise8",
 ) -> dict[str, Any]:
     """One swarm run with timelines and/or one 1F1B run, on loopback or, with a ``rate``, in the
     network lab with every node's egress shaped to it (``keeper``: ``swarm init`` keeps stage
@@ -123,8 +126,8 @@ def run_once(
             (work / "swarm").mkdir(parents=True, exist_ok=True)
             job = Job(
                 kind="swarm",
-                codec="blockwise8",
-                mode="async",
+                codec=codec,
+                mode=mode,
                 micro_batches=mb,
                 purposes=("throughput",),
                 rate=rate,
@@ -173,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="none",
         help="shape every node's egress to this rate in the network lab (root), e.g. 20mbit; none = loopback",
     )
+    p.add_argument("--mode", choices=("async", "sync"), default="async", help="the swarm's optimizer.mode")
+    p.add_argument("--codec", default="blockwise8", help="the swarm's activation and gradient codec")
     p.add_argument("--analyze", type=Path, default=None, help="analyse the timelines in this directory")
     p.add_argument(
         "--render", action="store_true", help="rewrite BENCHMARKS.md 'Where the cycles go' from the JSON"
@@ -195,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trainer_args": args.trainer_args,
         "keeper": not args.no_keeper,
         "rate": args.rate,
+        "mode": args.mode,
+        "codec": args.codec,
         "runs": [],
     }
     t0 = time.time()
@@ -209,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 trainer_args=args.trainer_args.split(),
                 keeper=not args.no_keeper,
                 rate=args.rate,
+                mode=args.mode,
+                codec=args.codec,
             )
             passes = r.pop("_passes")
             if rep == 0:

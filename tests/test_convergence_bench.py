@@ -72,6 +72,17 @@ def test_plan_selection_brings_its_reference():
         plan(cfg, ["p3-*"])
 
 
+def test_other_codecs_make_their_own_configurations():
+    cfg = ConvergenceConfig(seeds=(0,), corpora=("stdlib",), codecs=("blockwise4", "lowrank"))
+    assert [j.config for j in plan(cfg, ["p1-sync-lowrank", "p1-sync-blockwise4"])] == [
+        "ref-stage",
+        "p1-sync-blockwise4",
+        "p1-sync-lowrank",
+    ]
+    spec = job_spec(cfg, plan(cfg, ["p1-sync-lowrank"])[1])
+    assert spec.codecs.activations == "lowrank" and spec.codecs.gradients == "lowrank"
+
+
 def test_targets_follow_the_layout():
     assert target_for(Job("swarm", peers=1, mode="sync", codec="none")) == 1.01
     assert target_for(Job("swarm", peers=1, mode="async", codec="blockwise8", subspace=32)) == 1.02
