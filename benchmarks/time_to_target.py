@@ -2,7 +2,7 @@
 
 Run (from the repository root, as root for the network lab; ``--loopback`` anywhere)::
 
-    python -m benchmarks.time_to_target                      # full run (~25 min on 2 idle cores):
+    python -m benchmarks.time_to_target                      # full run (~30 min on 2 idle cores):
                                                              # results/time_to_target.json, a plot and
                                                              # the "Time to quality (measured)" section
     python -m benchmarks.time_to_target --quick              # small model, one rate (~4 min)
@@ -80,7 +80,9 @@ from swarm.errors import ConfigError, SwarmError
 __all__ = ["TargetConfig", "SwarmSetup", "parse_swarm", "plan", "run_all", "quick_config", "main"]
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-DEFAULT_SWARMS = ("blockwise8:async", "ss32+blockwise8:async", "blockwise8:sync")
+DEFAULT_SWARMS = ("lowrank:sync", "blockwise8:sync", "blockwise8:async", "ss32+blockwise8:async")
+"""The fastest configuration measured so far first (BENCHMARKS.md "Time to quality", session 16), then the
+project's default codec in both modes and the subspace model."""
 
 
 @dataclass(frozen=True)
