@@ -51,7 +51,7 @@ def with_value(path: str, value) -> dict:
 # ---- loading and defaults ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny", "demo", "bench"])
+@pytest.mark.parametrize("name", ["tiny", "demo", "bench", "slow_links"])
 def test_examples_load(name):
     spec = RunSpec.from_yaml(EXAMPLES / f"{name}.yaml")
     assert spec.run_id == name
