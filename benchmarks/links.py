@@ -759,7 +759,8 @@ def swarm_figures(
     Tokens/s: the step records after ``warmup_mb`` micro-batches are cut into windows of at least
     ``window_mb`` micro-batches; each window's rate is tokens / seconds between its end and the end of
     the previous window; the median of those rates. With fewer than one window, the whole post-warm-up
-    rate.
+    rate. ``tokens_per_s_overall`` is always the whole post-warm-up rate (slow windows included, e.g. one
+    in which the keeper downloaded the stages).
     """
     steps = [r for r in records if r.get("type") == "step" and r.get("tokens") is not None]
     evals = [r for r in records if r.get("type") == "eval" and r.get("eval_loss") is not None]
@@ -775,10 +776,14 @@ def swarm_figures(
                 mark = r
         if not rates and steps[-1]["time"] > start["time"]:
             rates.append((steps[-1]["tokens"] - start["tokens"]) / (steps[-1]["time"] - start["time"]))
+    overall = None  # every token after warm-up over all of its time: the windows' slow ones included
+    if start is not None and steps[-1]["time"] > start["time"]:
+        overall = (steps[-1]["tokens"] - start["tokens"]) / (steps[-1]["time"] - start["time"])
     mb = summary.get("micro_batches", {})
     return {
         "tokens": steps[-1]["tokens"] if steps else 0,
         "tokens_per_s": statistics.median(rates) if rates else None,
+        "tokens_per_s_overall": overall,
         "window_rates": rates,
         "train_s": steps[-1]["time"] if steps else None,
         "losses": [{"tokens": r["tokens"], "wall_s": r["time"], "loss": r.get("loss")} for r in steps],

@@ -374,6 +374,8 @@ def summarize(
         "step_s": step_s,
         "step_times_s": step_times,
         "tokens_per_s": tokens_per_step / step_s,
+        # every step after warm-up, slow ones included (the median above leaves out a rare slow step)
+        "tokens_per_s_overall": tokens_per_step * len(measured) / sum(measured),
         "losses": losses,
         "peak_rss_mb": [r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None for r in ranks],
         "wire_bytes_per_token": wire,

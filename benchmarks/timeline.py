@@ -143,7 +143,11 @@ def run_once(
                 keeper=keeper,
             )
             analysis, passes = analyse_dir(tl, n_cores)
-            out["swarm"] = {"tokens_per_s": res.get("tokens_per_s"), **analysis}
+            out["swarm"] = {
+                "tokens_per_s": res.get("tokens_per_s"),
+                "tokens_per_s_overall": res.get("tokens_per_s_overall"),
+                **analysis,
+            }
             out["_passes"] = passes
         if pipelining:
             base = work / "base.json"
@@ -154,7 +158,11 @@ def run_once(
             )
             threads = lcfg.threads or max(1, n_cores // 4)
             res = _run_job(lab, lcfg, job, work / "pipe", nodes, base, threads)
-            out["pipelining"] = {"tokens_per_s": res.get("tokens_per_s"), **pipelining_busy(res)}
+            out["pipelining"] = {
+                "tokens_per_s": res.get("tokens_per_s"),
+                "tokens_per_s_overall": res.get("tokens_per_s_overall"),
+                **pipelining_busy(res),
+            }
     out["load_end"] = os.getloadavg()
     return out
 

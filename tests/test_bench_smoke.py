@@ -177,6 +177,8 @@ def test_pipelining_schedules_and_single_process_train_the_same_model(tiny_spec,
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
     assert runs["gpipe"]["payload_bytes_per_token"] == 2 * 1 * 32 * 4
     assert len(runs["1f1b"]["peak_rss_mb"]) == 2
+    for res in runs.values():  # one step after warm-up: its median and its mean are the same step
+        assert res["tokens_per_s_overall"] == pytest.approx(res["tokens_per_s"])
 
 
 @pytest.mark.slow
@@ -277,6 +279,12 @@ def test_swarm_figures_windows_and_target():
     )
     assert fig["window_rates"] == [5.0, 5.0, 5.0]  # 20 tokens per 4 s
     assert fig["tokens_per_s"] == 5.0 and fig["eval_loss"] == 4.4 and fig["tokens"] == 80
+    assert fig["tokens_per_s_overall"] == 5.0  # 60 tokens after warm-up in 12 s
+    slow = [dict(r) for r in records]
+    slow[7]["time"] += 4.0  # the window ending at 8 micro-batches took 8 s instead of 4
+    fig = swarm_figures(slow, {}, tokens_per_mb=10, warmup_mb=2, window_mb=2)
+    assert fig["window_rates"] == [5.0, 5.0, 2.5]
+    assert fig["tokens_per_s"] == 5.0 and fig["tokens_per_s_overall"] == 60 / 16  # the median hides it
     assert tokens_to_target(fig["losses"], 4.45) == 70  # 3-step means: 4.5 at 60 tokens, 4.4 at 70
     assert tokens_to_target(fig["losses"], 1.0) is None
 
