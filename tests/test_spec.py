@@ -499,6 +499,7 @@ def test_random_valid_specs_round_trip(n_layers, data, lr, seed, run_id, schedul
 GOLDEN_SPEC_HASHES = {
     "bench": "df98a7a5506ef47c",
     "demo": "ef3750670a2cface",  # its content changed (recompute: false); 424a273bfe0372a6 before
+    "slow_links": "120464fc95e59552",
     "subspace": "613f721c00687c29",
     "tiny": "47f40003d87cdf87",
 }
