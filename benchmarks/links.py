@@ -774,11 +774,11 @@ def swarm_figures(
             if r["tokens"] - mark["tokens"] >= window and r["time"] > mark["time"]:
                 rates.append((r["tokens"] - mark["tokens"]) / (r["time"] - mark["time"]))
                 mark = r
-        if not rates and steps[-1]["time"] > start["time"]:
-            rates.append((steps[-1]["tokens"] - start["tokens"]) / (steps[-1]["time"] - start["time"]))
     overall = None  # every token after warm-up over all of its time: the windows' slow ones included
     if start is not None and steps[-1]["time"] > start["time"]:
         overall = (steps[-1]["tokens"] - start["tokens"]) / (steps[-1]["time"] - start["time"])
+        if not rates:
+            rates.append(overall)
     mb = summary.get("micro_batches", {})
     return {
         "tokens": steps[-1]["tokens"] if steps else 0,
