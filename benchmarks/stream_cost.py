@@ -5,13 +5,15 @@ Run (from the repository root, as root for the network lab)::
     python -m benchmarks.stream_cost            # into results/stream_cost.json
     python -m benchmarks.stream_cost --calls 500 --concurrency 4
     python -m benchmarks.stream_cost --channels off   # every call a stream of its own
+    python -m benchmarks.stream_cost --channels small # activations on streams of their own (no bulk lane)
 
 What runs: two nodes of the network lab (benchmarks/netlab.py), a server process in one serving a
 protocol name with ``swarm.wire.protocol.serve`` (the reply is ``{"ok": True}``, like an acknowledgement)
 and a client process in the other calling it ``--calls`` times with ``swarm.wire.protocol.call`` for each
 message shape: every call is what a FORWARD, BACKWARD, REPORT or INFO is. With ``--channels on`` (the
-default) small messages share one long-lived stream (swarm/wire/channel.py), which the warm-up calls
-opened; with ``--channels off`` each call is a new libp2p stream through both p2pd daemons (yamux
+default) small messages share one long-lived stream and one-part activations another (the small and the
+bulk lane of swarm/wire/channel.py), which the warm-up calls opened; ``--channels small`` keeps the small
+lane only; with ``--channels off`` each call is a new libp2p stream through both p2pd daemons (yamux
 stream, multistream-select of the protocol name, noise frames, the request's parts, the reply, both
 closes), over the connection the warm-up calls opened. Both nodes' link counters
 (bytes and packets, all IP/TCP headers and ACKs included) are read around the calls and around an idle
@@ -19,7 +21,9 @@ window of the same length (what the daemons send anyway, subtracted).
 
 Per call it reports the wire bytes and packets of both directions together, what we serialised (the
 request's protobuf parts and the reply), and the difference: the fixed cost one more message per
-micro-batch adds, and one fewer saves.
+micro-batch adds, and one fewer saves. It also reports the CPU per call of both Python processes together
+and of both p2pd daemons together (``/proc`` of the two processes and their children, the idle window's
+CPU subtracted): on a machine whose cores the stages share, that CPU is taken from the compute.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.links import RESULTS_DIR
+from benchmarks.links import RESULTS_DIR, descendants
 from benchmarks.netlab import NetLab, lab_unavailable_reason
 from benchmarks.report import machine_info
 
@@ -46,6 +51,7 @@ SHAPES: dict[str, tuple[int, int]] = {
     "INFO probe (empty header)": (0, 0),
     "REPORT-sized (300-byte header)": (300, 0),
     "subspace hop (300-byte header, 8 KiB payload)": (300, 8192),
+    "activation hop (300-byte header, 256 KiB payload)": (300, 256 << 10),
 }
 """Message shapes measured: name -> (header padding bytes, payload bytes)."""
 
@@ -69,7 +75,7 @@ async def _serve(addr: str, maddr_file: str) -> None:
     async def handler(message: Any, remote: Any) -> dict[str, Any]:
         return {}
 
-    await serve(p2p, NAME, handler)
+    await serve(p2p, NAME, handler, max_payload_bytes=1 << 20)
     maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
     Path(maddr_file).write_text(json.dumps(maddrs))
     await asyncio.to_thread(sys.stdin.read)  # until the parent closes our stdin
@@ -127,14 +133,33 @@ def _counters(lab: NetLab, nodes: list[str]) -> dict[str, int]:
     return total
 
 
-def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return {k: b[k] - a[k] for k in a}
 
 
-def run(
-    *, calls: int, concurrency: int, channels: bool = True, settle_s: float = 1.0
-) -> list[dict[str, Any]]:
-    """Every shape in :data:`SHAPES`, ``calls`` calls each, in a fresh two-node lab."""
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pids: list[int]) -> dict[str, float]:
+    """CPU seconds of these processes and their children: ``python`` (all but the daemons) and
+    ``p2pd``."""
+    total = {"python": 0.0, "p2pd": 0.0}
+    for pid in pids:
+        for p in [pid, *descendants(pid)]:
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+            total["p2pd" if comm == "p2pd" else "python"] += (int(rest[11]) + int(rest[12])) / _TICKS
+    return total
+
+
+def run(*, calls: int, concurrency: int, channels: str = "on", settle_s: float = 1.0) -> list[dict[str, Any]]:
+    """Every shape in :data:`SHAPES`, ``calls`` calls each, in a fresh two-node lab; ``channels`` is
+    ``on`` (both lanes), ``small`` (the small lane only) or ``off``."""
+    switch = {"on": "1", "small": "small", "off": "0"}[channels]
     nodes = ["srv", "cli"]
     py = [sys.executable, "-m", "benchmarks.stream_cost"]
     out = []
@@ -143,7 +168,7 @@ def run(
 
         def spawn(node: str, argv: list[str]) -> subprocess.Popen:  # Lab.spawn has no stdin pipe
             return subprocess.Popen(
-                ["ip", "netns", "exec", lab.ns(node), "env", f"SWARMPIPE_CHANNELS={int(channels)}", *argv],
+                ["ip", "netns", "exec", lab.ns(node), "env", f"SWARMPIPE_CHANNELS={switch}", *argv],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -164,17 +189,18 @@ def run(
                 for _ in SHAPES:
                     ready = json.loads(cli.stdout.readline())
                     time.sleep(settle_s)
-                    c0 = _counters(lab, nodes)
+                    c0, u0 = _counters(lab, nodes), _cpu([srv.pid, cli.pid])
                     cli.stdin.write("\n")
                     cli.stdin.flush()
                     done = json.loads(cli.stdout.readline())
                     time.sleep(settle_s)  # the last closes and delayed ACKs
-                    c1 = _counters(lab, nodes)
+                    c1, u1 = _counters(lab, nodes), _cpu([srv.pid, cli.pid])
                     time.sleep(done["s"] + settle_s)  # an idle window as long as the calls' window
-                    c2 = _counters(lab, nodes)
+                    c2, u2 = _counters(lab, nodes), _cpu([srv.pid, cli.pid])
                     cli.stdin.write("\n")
                     cli.stdin.flush()
                     cost = per_call(_delta(c0, c1), _delta(c1, c2), calls)
+                    cpu = per_call(_delta(u0, u1), _delta(u1, u2), calls)
                     out.append(
                         {
                             "shape": ready["ready"],
@@ -186,11 +212,14 @@ def run(
                             "wire_bytes_per_call": cost["bytes"],
                             "packets_per_call": cost["packets"],
                             "fixed_bytes_per_call": cost["bytes"] - ready["serialised"],
+                            "python_cpu_ms_per_call": 1000 * cpu["python"],
+                            "p2pd_cpu_ms_per_call": 1000 * cpu["p2pd"],
                         }
                     )
                     print(
                         f"{ready['ready']}: {cost['bytes']:.0f} wire bytes and {cost['packets']:.1f} packets "
-                        f"per call, {ready['serialised']} serialised"
+                        f"per call, {ready['serialised']} serialised; CPU per call: Python "
+                        f"{1000 * cpu['python']:.2f} ms, p2pd {1000 * cpu['p2pd']:.2f} ms"
                     )
             finally:
                 cli.stdin.close()
@@ -202,6 +231,11 @@ def run(
     return out
 
 
+def _mode(channels: bool | str) -> str:
+    """A run's channel mode (runs before the bulk lane stored a bool: ``True`` was the small lane)."""
+    return channels if isinstance(channels, str) else ("small" if channels else "off")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.stream_cost",
@@ -211,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=300, help="calls per message shape")
     parser.add_argument("--concurrency", type=int, default=1, help="calls in flight at once")
     parser.add_argument(
-        "--channels", choices=("on", "off"), default="on", help="small messages on one long-lived stream (on)"
+        "--channels",
+        choices=("on", "small", "off"),
+        default="on",
+        help="on: small messages and one-part activations each on a long-lived stream; small: the small "
+        "lane only; off: every message a stream of its own",
     )
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--serve", nargs=2, metavar=("ADDR", "MADDR_FILE"), help=argparse.SUPPRESS)
@@ -230,14 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"cannot run the network lab: {reason}", file=sys.stderr)
         return 2
-    channels = args.channels == "on"
+    channels = args.channels
     results = run(calls=args.calls, concurrency=args.concurrency, channels=channels)
     path = Path(args.out)
     report = json.loads(path.read_text()) if path.exists() else {"name": "stream_cost", "runs": []}
     report["runs"] = [
         r
         for r in report["runs"]
-        if (r["concurrency"], r.get("channels", False)) != (args.concurrency, channels)
+        if (r["concurrency"], _mode(r.get("channels", False))) != (args.concurrency, channels)
     ] + results
     report.update(
         {

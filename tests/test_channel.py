@@ -8,7 +8,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.errors import Failure, PeerFailure, RequestError
 from swarm.wire import channel
-from swarm.wire.protocol import PROTOCOL_TAG, Message, call, serve, to_parts, unserve
+from swarm.wire.protocol import PART_BYTES, PROTOCOL_TAG, Message, call, serve, to_parts, unserve
 
 
 def test_split_uid_takes_only_well_formed_frames():
@@ -27,16 +27,23 @@ def test_split_uid_takes_only_well_formed_frames():
         assert channel.split_uid(bad, PROTOCOL_TAG) is None, bad
 
 
-def test_only_small_single_part_messages_fit_a_channel():
-    assert channel.fits(to_parts(Message({"n": 1}, b"x" * 8192)))
-    assert not channel.fits(to_parts(Message({"n": 1}, b"x" * channel.CHANNEL_MAX_BYTES)))
-    assert not channel.fits(to_parts(Message({}, b"x" * 10), part_bytes=4))
+def test_small_messages_take_the_small_lane_one_part_payloads_the_bulk_lane_the_rest_streams():
+    assert channel.lane_of(to_parts(Message({"n": 1}, b"x" * 8192))) == channel.SMALL
+    assert channel.lane_of(to_parts(Message({"n": 1}, b"x" * channel.CHANNEL_MAX_BYTES))) == channel.BULK
+    assert channel.lane_of(to_parts(Message({"n": 1}, b"x" * PART_BYTES))) == channel.BULK
+    assert channel.lane_of(to_parts(Message({"n": 1}, b"x" * (PART_BYTES + 1)))) is None  # two parts
+    assert channel.lane_of(to_parts(Message({}, b"x" * 10), part_bytes=4)) is None
 
 
-def test_channels_can_be_turned_off(monkeypatch):
+def test_channels_can_be_turned_off_or_kept_to_the_small_lane(monkeypatch):
+    small, big = to_parts(Message({}, b"x" * 10)), to_parts(Message({}, b"x" * 300_000))
     assert channel.channels_enabled()
+    monkeypatch.setenv("SWARMPIPE_CHANNELS", "small")
+    assert channel.channels_enabled()
+    assert (channel.lane_of(small), channel.lane_of(big)) == (channel.SMALL, None)
     monkeypatch.setenv("SWARMPIPE_CHANNELS", "0")
     assert not channel.channels_enabled()
+    assert (channel.lane_of(small), channel.lane_of(big)) == (None, None)
 
 
 def _channels(client):
@@ -73,7 +80,7 @@ def test_many_calls_share_one_stream_and_replies_find_their_callers():
                 await asyncio.sleep(0.2 if n % 2 else 0.0)  # odd replies come back after even ones
                 return {"echo": n, "size": len(message.payload)}
 
-            await serve(server, "test.echo", handler, max_payload_bytes=1 << 20)
+            await serve(server, "test.echo", handler, max_payload_bytes=2 << 20)
             replies = await asyncio.gather(
                 *(
                     call(client, server.peer_id, "test.echo", Message({"n": n}, b"p" * n), timeout_s=20)
@@ -83,18 +90,28 @@ def test_many_calls_share_one_stream_and_replies_find_their_callers():
             assert [r["echo"] for r in replies] == list(range(40))
             assert [r["size"] for r in replies] == list(range(40))
             assert remotes == {client.peer_id}  # the handler sees who sent each message
-            (only,) = _channels(client).values()
+            only = _channels(client)[(server.peer_id, channel.SMALL)]
             with pytest.raises(RequestError, match="refused on purpose") as refused:
                 await call(
                     client, server.peer_id, "test.echo", Message({"n": 1, "refuse": True}), timeout_s=20
                 )
             assert refused.value.failure is Failure.BUSY
-            # a message too large for a channel takes a stream of its own; the channel stays
+            # a one-part payload takes the bulk lane, a channel of its own beside the small one
             big = await call(
                 client, server.peer_id, "test.echo", Message({"n": 2}, b"q" * (200 << 10)), timeout_s=20
             )
             assert big["size"] == 200 << 10
-            assert _channels(client) == {server.peer_id: only} and not only.closed
+            bulk = _channels(client)[(server.peer_id, channel.BULK)]
+            assert bulk is not only and not only.closed
+            # a message of several parts takes a stream of its own; both channels stay
+            huge = await call(
+                client, server.peer_id, "test.echo", Message({"n": 2}, b"h" * (PART_BYTES + 1)), timeout_s=20
+            )
+            assert huge["size"] == PART_BYTES + 1
+            assert _channels(client) == {
+                (server.peer_id, channel.SMALL): only,
+                (server.peer_id, channel.BULK): bulk,
+            }
             # a kind the receiver does not serve fails like a missing protocol
             with pytest.raises(PeerFailure) as unserved:
                 await call(client, server.peer_id, "test.nothing", Message({"n": 3}), timeout_s=20)
@@ -102,6 +119,33 @@ def test_many_calls_share_one_stream_and_replies_find_their_callers():
             await unserve(server, "test.echo")
             with pytest.raises(PeerFailure):
                 await call(client, server.peer_id, "test.echo", Message({"n": 4}), timeout_s=20)
+        finally:
+            await _close(client, server)
+
+    asyncio.run(main())
+
+
+@pytest.mark.integration
+def test_a_small_message_is_not_held_behind_a_slow_bulk_one():
+    async def main():
+        server, client = await _pair()
+        try:
+            release = asyncio.Event()
+
+            async def handler(message, remote):
+                if message.payload:
+                    await release.wait()  # the receiver is slow with bulk messages
+                return {"size": len(message.payload)}
+
+            await serve(server, "test.lanes", handler, max_payload_bytes=1 << 20)
+            bulk = asyncio.ensure_future(
+                call(client, server.peer_id, "test.lanes", Message({}, b"b" * (300 << 10)), timeout_s=30)
+            )
+            small = await call(client, server.peer_id, "test.lanes", Message({}), timeout_s=30)
+            assert small["size"] == 0 and not bulk.done()
+            release.set()
+            assert (await bulk)["size"] == 300 << 10
+            assert set(_channels(client)) == {(server.peer_id, channel.SMALL), (server.peer_id, channel.BULK)}
         finally:
             await _close(client, server)
 

@@ -8,14 +8,25 @@ control plane's bytes. A channel opens one stream per (sender, receiver) pair, o
 small message on it; each message then costs its frame and its reply.
 
 What travels on a channel. The sender writes single-part messages (``protocol.to_parts`` of a message
-whose parts fit in :data:`CHANNEL_MAX_BYTES`; larger ones keep a stream of their own, so a megabyte of
-activations never holds a probe or a report up behind it). The part's ``uid`` is
+that fits one part) on one of two lanes, each its own long-lived stream to the peer: the *small* lane
+takes parts of at most :data:`CHANNEL_MAX_BYTES` (probes, reports, the forwards and gradients of subspace
+models), the *bulk* lane parts up to :data:`BULK_MAX_BYTES` (a micro-batch's activations or gradients),
+so a megabyte of activations never holds a probe or a report up behind it. Messages of several parts
+keep a stream of their own. The part's ``uid`` is
 ``"<protocol tag>|<kind>|<cid>"``: ``kind`` is the protocol name's last dotted part (``forward``,
 ``report``, ...), ``cid`` the sender's number for the message. The receiver hands the part to the
 handler ``protocol.serve`` registered for that kind, concurrently with the other messages, and writes
 each reply as it is ready, wrapped as ``msgpack([cid, reply metadata])``; ``[cid, None]`` means the
 receiver serves no such kind (the sender reports it like a missing protocol: ``unreachable``). Replies
 come in any order; the sender matches them by ``cid``.
+
+Why a bulk lane (note "bulk lane"): a stream of its own per activation costs both daemons and both
+Python processes the stream's opening and closing on every hop. ``python -m benchmarks.channel_cpu``
+measures it: for 270 KB messages on loopback, a stream each cost 1.3 ms of the caller's and the
+receiver's Python CPU and 2.0-2.6 ms of the two daemons' CPU per message, the bulk lane 0.7 and
+1.2-1.7 ms. With every stage of a pipeline sharing a machine's cores, that CPU comes straight out of
+the compute. On one stream the bulk messages to a peer go in order (they share the one connection's
+bandwidth either way) and under the stream's flow-control window.
 
 Failures. A channel that breaks (the remote daemon closed it, a frame that does not parse) fails every
 message waiting on it with ``PeerFailure`` ``unreachable``, as a broken stream would, and the next
@@ -28,7 +39,9 @@ does not serve channels (older versions) or cannot be reached is sent messages o
 for :data:`RETRY_S` before a channel is tried again.
 
 ``SWARMPIPE_CHANNELS=0`` in a sender's environment turns channels off there (every message on a stream
-of its own, as before channels existed; the control-plane benchmark's "before" variant).
+of its own, as before channels existed; the control-plane benchmark's "before" variant);
+``SWARMPIPE_CHANNELS=small`` keeps the small lane only (activations on streams of their own, as before the
+bulk lane).
 """
 
 from __future__ import annotations
@@ -53,9 +66,10 @@ from swarm.traffic import message_kind
 __all__ = [
     "CHANNEL",
     "CHANNEL_MAX_BYTES",
+    "BULK_MAX_BYTES",
     "RETRY_S",
     "channels_enabled",
-    "fits",
+    "lane_of",
     "register",
     "unregister",
     "request",
@@ -67,7 +81,11 @@ logger = logging.getLogger(__name__)
 
 CHANNEL = "swarmpipe.channel"
 CHANNEL_MAX_BYTES = 64 << 10
-"""Largest serialised part sent on a channel; larger messages keep a stream of their own."""
+"""Largest serialised part sent on the small lane."""
+BULK_MAX_BYTES = 2 << 20
+"""Largest serialised part sent on the bulk lane (a protocol part holds at most 1 MiB of payload plus its
+header); larger messages keep a stream of their own."""
+SMALL, BULK = "small", "bulk"
 RETRY_S = 30.0
 """How long a peer whose channel could not be opened is sent messages on streams of their own."""
 _MAX_CID = (1 << 63) - 1
@@ -77,12 +95,24 @@ Responder = Callable[[runtime_pb2.ExpertRequest, P2PContext], Awaitable[runtime_
 
 def channels_enabled() -> bool:
     """Off only when ``SWARMPIPE_CHANNELS`` is ``0`` (or ``false``/``no``/``off``)."""
-    return os.environ.get("SWARMPIPE_CHANNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _setting() not in ("0", "false", "no", "off")
 
 
-def fits(parts: list[runtime_pb2.ExpertRequest]) -> bool:
-    """Whether a message (its parts) goes on a channel: one part of at most ``CHANNEL_MAX_BYTES``."""
-    return len(parts) == 1 and parts[0].ByteSize() <= CHANNEL_MAX_BYTES
+def _setting() -> str:
+    return os.environ.get("SWARMPIPE_CHANNELS", "1").strip().lower()
+
+
+def lane_of(parts: list[runtime_pb2.ExpertRequest]) -> str | None:
+    """The lane a message (its parts) goes on: ``"small"``, ``"bulk"``, or None for a stream of its own
+    (several parts, a part over :data:`BULK_MAX_BYTES`, or a lane turned off). Pure but for the
+    environment switch."""
+    setting = _setting()
+    if setting in ("0", "false", "no", "off") or len(parts) != 1:
+        return None
+    size = parts[0].ByteSize()
+    if size <= CHANNEL_MAX_BYTES:
+        return SMALL
+    return BULK if size <= BULK_MAX_BYTES and setting != "small" else None
 
 
 def split_uid(uid: str, tag: str) -> tuple[str, int] | None:
@@ -207,13 +237,19 @@ async def _serve_channel(served: _Served, parts: Any, context: P2PContext) -> An
 
 
 class _Channel:
-    """The sending end of one channel to one peer."""
+    """The sending end of one channel (one lane) to one peer."""
 
     def __init__(
-        self, pool: _Pool, peer_id: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        pool: _Pool,
+        peer_id: PeerID,
+        lane: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ):
         self.pool = pool
         self.peer_id = peer_id
+        self.lane = lane
         self._reader = reader
         self._writer = writer
         self._pending: dict[int, asyncio.Future] = {}
@@ -309,32 +345,35 @@ class _Channel:
 
 
 class _Pool:
-    """One P2P's channels, by peer."""
+    """One P2P's channels, by peer and lane."""
 
     def __init__(self, p2p: P2P):
         self._p2p = weakref.ref(p2p)
-        self._channels: dict[PeerID, _Channel] = {}
-        self._opening: dict[PeerID, asyncio.Future] = {}
+        self._channels: dict[tuple[PeerID, str], _Channel] = {}
+        self._opening: dict[tuple[PeerID, str], asyncio.Future] = {}
         self._refused_until: dict[PeerID, float] = {}
 
     def forget(self, channel: _Channel) -> None:
-        if self._channels.get(channel.peer_id) is channel:
-            del self._channels[channel.peer_id]
+        key = (channel.peer_id, channel.lane)
+        if self._channels.get(key) is channel:
+            del self._channels[key]
 
-    async def channel(self, peer_id: PeerID) -> _Channel | None:
-        """The open channel to ``peer_id``, opened if needed; None when the peer gets streams of their own."""
-        channel = self._channels.get(peer_id)
+    async def channel(self, peer_id: PeerID, lane: str = SMALL) -> _Channel | None:
+        """The open channel on ``lane`` to ``peer_id``, opened if needed; None when the peer gets streams
+        of their own."""
+        key = (peer_id, lane)
+        channel = self._channels.get(key)
         if channel is not None and not channel.closed:
             return channel
         if time.monotonic() < self._refused_until.get(peer_id, 0.0):
             return None
-        opening = self._opening.get(peer_id)
+        opening = self._opening.get(key)
         if opening is None:
-            opening = self._opening[peer_id] = asyncio.ensure_future(self._open(peer_id))
-            opening.add_done_callback(lambda _: self._opening.pop(peer_id, None))
+            opening = self._opening[key] = asyncio.ensure_future(self._open(peer_id, lane))
+            opening.add_done_callback(lambda _: self._opening.pop(key, None))
         return await asyncio.shield(opening)
 
-    async def _open(self, peer_id: PeerID) -> _Channel | None:
+    async def _open(self, peer_id: PeerID, lane: str) -> _Channel | None:
         p2p = self._p2p()
         if p2p is None:
             return None
@@ -344,7 +383,7 @@ class _Pool:
             logger.debug("no channel to %s (%s): streams of their own for %.0f s", peer_id, e, RETRY_S)
             self._refused_until[peer_id] = time.monotonic() + RETRY_S
             return None
-        channel = self._channels[peer_id] = _Channel(self, peer_id, reader, writer)
+        channel = self._channels[(peer_id, lane)] = _Channel(self, peer_id, lane, reader, writer)
         return channel
 
     def close(self) -> None:
@@ -357,16 +396,17 @@ _POOLS: weakref.WeakKeyDictionary[P2P, _Pool] = weakref.WeakKeyDictionary()
 
 
 async def request(
-    p2p: P2P, peer_id: PeerID, name: str, part: runtime_pb2.ExpertRequest, *, tag: str
+    p2p: P2P, peer_id: PeerID, name: str, part: runtime_pb2.ExpertRequest, *, tag: str, lane: str = SMALL
 ) -> runtime_pb2.ExpertResponse | None:
-    """Send one single-part message on the channel to ``peer_id`` and return its reply; None when this
-    peer gets messages on streams of their own (channels off, or none could be opened)."""
+    """Send one single-part message on the channel (``lane``, see :func:`lane_of`) to ``peer_id`` and
+    return its reply; None when this peer gets messages on streams of their own (channels off, or none
+    could be opened)."""
     if not channels_enabled():
         return None
     pool = _POOLS.get(p2p)
     if pool is None:
         pool = _POOLS[p2p] = _Pool(p2p)
-    channel = await pool.channel(peer_id)
+    channel = await pool.channel(peer_id, lane)
     if channel is None:
         return None
     return await channel.request(name, part, tag)

@@ -801,9 +801,11 @@ async def _exchange(
     p2p: P2P, peer_id: PeerID, name: str, parts: list[runtime_pb2.ExpertRequest]
 ) -> runtime_pb2.ExpertResponse:
     """The reply to a message: on the channel to the peer when the message is small (note "channels" in
-    swarm/wire/channel.py), else, or when the peer has no channel, on a stream of its own."""
-    if channel.fits(parts):
-        response = await channel.request(p2p, peer_id, name, parts[0], tag=PROTOCOL_TAG)
+    swarm/wire/channel.py): small ones on its small lane, one-part activations and gradients on its bulk
+    lane; messages of several parts, or when the peer has no channel, on a stream of their own."""
+    lane = channel.lane_of(parts)
+    if lane is not None:
+        response = await channel.request(p2p, peer_id, name, parts[0], tag=PROTOCOL_TAG, lane=lane)
         if response is not None:
             return response
     return await _first_response(p2p, peer_id, name, parts)
