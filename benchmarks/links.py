@@ -125,6 +125,8 @@ class LinksConfig:
     of the budget: early enough that slower-converging modes reach it too, so that tokens and seconds
     to the target compare every mode (their final losses are compared separately)."""
     pipe_n_micro: int = 8
+    pipe_fused_adamw: bool = False
+    """The pipelining ranks step with ``torch.optim.AdamW(fused=True)`` (``PipeConfig.fused_adamw``)."""
     """Micro-batches per pipelining step (its throughput window; also the swarm's window)."""
     max_inflight: int = 8
     """Micro-batches the swarm trainer keeps in flight (async)."""
@@ -1332,6 +1334,7 @@ def _run_job(
             threads=threads,
             data_bytes=cfg.data_bytes,
             timeout_s=cfg.run_timeout_s,
+            fused_adamw=cfg.pipe_fused_adamw,
         )
         res = run_pipelining(lab, pcfg, nodes["stages"], work)
         res["rate"] = job.rate

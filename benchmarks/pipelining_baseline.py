@@ -76,6 +76,10 @@ class PipeConfig:
     emulate_s: tuple[float, float] | None = None
     """(forward, backward) seconds each micro-batch occupies a stage at least, the rest slept after the
     real compute (``benchmarks/busy.py``; the stage peers' ``--emulate-compute-ms``); None = real only."""
+    fused_adamw: bool = False
+    """``torch.optim.AdamW(fused=True)``: the fused kernel the stage peers' optimizer uses where torch has
+    one (swarm/run/optimizer.py). Off by default: the default AdamW is what a user of torch pipelining
+    would pick; on, both sides step with the same kernel."""
     device: str = "cpu"
     """Where the stages compute (``cpu``, ``cuda``, ``mps``); tensors cross the pipeline on the host."""
     eval_every: int = 0
@@ -174,7 +178,12 @@ def _worker(cfg: PipeConfig, rank: int, master: str, out: Path) -> None:
         schedule = sched_cls(stage, n_microbatches=cfg.n_micro, loss_fn=lm_loss)
         ocfg = spec.optimizer
         opt = torch.optim.AdamW(
-            module.parameters(), lr=ocfg.lr, betas=ocfg.betas, weight_decay=ocfg.weight_decay, eps=1e-8
+            module.parameters(),
+            lr=ocfg.lr,
+            betas=ocfg.betas,
+            weight_decay=ocfg.weight_decay,
+            eps=1e-8,
+            fused=cfg.fused_adamw or None,
         )
 
         stream = held_out = None

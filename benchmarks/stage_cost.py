@@ -15,7 +15,8 @@ on it: per stage it trains the same micro-batches
   stepping every ``optimizer.accumulate`` micro-batches, as a stage peer's worker thread does;
 - ``plain``: the same stage module (``swarm.run.model.build_stage``) with ``module(x).backward(g)`` and
   ``torch.optim.AdamW`` plus ``clip_grad_norm_`` every ``accumulate`` micro-batches, as a
-  pipelining rank does (benchmarks/pipelining_baseline.py),
+  pipelining rank does (benchmarks/pipelining_baseline.py), once with the default AdamW and once with
+  ``fused=True`` (the kernel the peer's optimizer steps with where torch has one),
 
 and reports CPU seconds per micro-batch (``time.process_time``: this process, one torch thread by
 default) and their ratio, the best of ``--repeats`` runs each (the two alternate, so load drift hits
@@ -65,7 +66,7 @@ def _peer_run(spec: Any, stage: int, n: int) -> float:
     return (time.process_time() - t0) / n
 
 
-def _plain_run(spec: Any, stage: int, n: int) -> float:
+def _plain_run(spec: Any, stage: int, n: int, fused: bool = False) -> float:
     import torch
 
     from swarm.run.model import build_stage, lm_loss
@@ -73,7 +74,9 @@ def _plain_run(spec: Any, stage: int, n: int) -> float:
     tokens, x, grad = _inputs(spec, stage)
     module = build_stage(spec, stage)
     ocfg = spec.optimizer
-    opt = torch.optim.AdamW(module.parameters(), lr=ocfg.lr, betas=ocfg.betas, weight_decay=ocfg.weight_decay)
+    opt = torch.optim.AdamW(
+        module.parameters(), lr=ocfg.lr, betas=ocfg.betas, weight_decay=ocfg.weight_decay, fused=fused or None
+    )
     first, last = stage == 0, stage == spec.num_stages - 1
     t0 = time.process_time()
     for i in range(n):
@@ -92,18 +95,24 @@ def _plain_run(spec: Any, stage: int, n: int) -> float:
 
 
 def measure_stage(spec: Any, stage: int, *, micro_batches: int, repeats: int) -> dict[str, Any]:
-    """CPU seconds per micro-batch of ``stage`` on the peer's path and on plain torch (best of ``repeats``)."""
-    peer, plain = [], []
+    """CPU seconds per micro-batch of ``stage`` on the peer's path and on plain torch, with the default
+    ``torch.optim.AdamW`` and with ``fused=True`` (the kernel the peer's optimizer uses where torch has
+    one); best of ``repeats`` each."""
+    peer, plain, fused = [], [], []
     for _ in range(repeats):
         plain.append(_plain_run(spec, stage, micro_batches))
+        fused.append(_plain_run(spec, stage, micro_batches, fused=True))
         peer.append(_peer_run(spec, stage, micro_batches))
     return {
         "stage": stage,
         "peer_cpu_s": min(peer),
         "plain_cpu_s": min(plain),
+        "plain_fused_cpu_s": min(fused),
         "ratio": min(peer) / min(plain),
+        "ratio_fused": min(peer) / min(fused),
         "peer_runs": peer,
         "plain_runs": plain,
+        "plain_fused_runs": fused,
     }
 
 
@@ -139,8 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         row = measure_stage(spec, s, micro_batches=args.micro_batches, repeats=args.repeats)
         rows.append(row)
         print(
-            f"stage {s}: peer {row['peer_cpu_s'] * 1e3:.1f} ms, plain {row['plain_cpu_s'] * 1e3:.1f} ms "
-            f"per micro-batch (CPU), peer / plain {row['ratio']:.3f}",
+            f"stage {s}: peer {row['peer_cpu_s'] * 1e3:.1f} ms, plain {row['plain_cpu_s'] * 1e3:.1f} ms, "
+            f"plain with fused AdamW {row['plain_fused_cpu_s'] * 1e3:.1f} ms per micro-batch (CPU), "
+            f"peer / plain {row['ratio']:.3f}, peer / plain fused {row['ratio_fused']:.3f}",
             flush=True,
         )
     report = {
@@ -154,8 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "stages": rows,
         "ratio_all": sum(r["peer_cpu_s"] for r in rows) / sum(r["plain_cpu_s"] for r in rows),
+        "ratio_all_fused": sum(r["peer_cpu_s"] for r in rows) / sum(r["plain_fused_cpu_s"] for r in rows),
     }
-    print(f"all stages: peer / plain {report['ratio_all']:.3f}")
+    print(
+        f"all stages: peer / plain {report['ratio_all']:.3f}, peer / plain fused {report['ratio_all_fused']:.3f}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -223,12 +224,21 @@ def run(*, calls: int, concurrency: int, channels: str = "on", settle_s: float =
                     )
             finally:
                 cli.stdin.close()
+                _let_exit(cli)
                 lab.stop(cli, grace_s=10.0)
         finally:
             assert srv.stdin is not None
             srv.stdin.close()
+            _let_exit(srv)
             lab.stop(srv, grace_s=10.0)
     return out
+
+
+def _let_exit(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """Give a node whose stdin closed the time to shut its P2P down: a SIGTERM before that leaves its
+    socket file in /tmp (hivemind removes it in ``P2P.shutdown`` only)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout_s)
 
 
 def _mode(channels: bool | str) -> str:

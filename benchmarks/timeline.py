@@ -185,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="shape every node's egress to this rate in the network lab (root), e.g. 20mbit; none = loopback",
     )
     p.add_argument("--mode", choices=("async", "sync"), default="async", help="the swarm's optimizer.mode")
+    p.add_argument(
+        "--pipelining-fused",
+        action="store_true",
+        help="the 1F1B ranks step with torch.optim.AdamW(fused=True), the stage peers' kernel",
+    )
     p.add_argument("--codec", default="blockwise8", help="the swarm's activation and gradient codec")
     p.add_argument("--analyze", type=Path, default=None, help="analyse the timelines in this directory")
     p.add_argument(
@@ -201,7 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(analysis, indent=1))
         return 0
     name = f"timeline_{args.tag}" if args.tag else "timeline"
-    lcfg = LinksConfig(loopback=args.rate == "none", rates=(args.rate,))
+    lcfg = LinksConfig(
+        loopback=args.rate == "none", rates=(args.rate,), pipe_fused_adamw=args.pipelining_fused
+    )
     report: dict[str, Any] = {
         "machine": machine_info(),
         "micro_batches": args.micro_batches,
@@ -210,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rate": args.rate,
         "mode": args.mode,
         "codec": args.codec,
+        "pipelining_fused_adamw": args.pipelining_fused,
         "runs": [],
     }
     t0 = time.time()

@@ -627,7 +627,8 @@ def test_stage_cost_compares_the_peer_path_with_plain_torch(tmp_path):
     report = json.loads(out.read_text())
     assert [r["stage"] for r in report["stages"]] == [0, 1]
     for row in report["stages"]:
-        assert row["peer_cpu_s"] > 0 and row["plain_cpu_s"] > 0
+        assert row["peer_cpu_s"] > 0 and row["plain_cpu_s"] > 0 and row["plain_fused_cpu_s"] > 0
         assert math.isclose(row["ratio"], row["peer_cpu_s"] / row["plain_cpu_s"])
+        assert math.isclose(row["ratio_fused"], row["peer_cpu_s"] / row["plain_fused_cpu_s"])
     with pytest.raises(SystemExit):
         stage_cost.main(["--spec", str(spec), "--accumulate", "3", "--micro-batches", "4", "--out", str(out)])

@@ -95,6 +95,7 @@ import math
 from typing import Any
 
 import torch
+from torch.optim.adamw import adamw as _torch_adamw
 
 from swarm.run.spec import OptimizerConfig
 
@@ -107,6 +108,7 @@ _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic (note "muon")
 _NS_STEPS = 5
 _NS_EPS = 1e-7
 _MUON_RMS = 0.2  # per-element RMS of a Muon update before lr: an AdamW update's (note "muon")
+_FUSED_DEVICES = frozenset({"cpu", "cuda", "mps"})  # where torch has a fused AdamW kernel (float32)
 
 
 def is_muon_matrix(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
@@ -164,6 +166,7 @@ class StageOptimizer:
         self.clipped_steps = 0
         self.lookahead = cfg.lookahead_scale  # note "extrapolated weights"; 0 = off
         self._delta: Params | None = None  # the last step's change of params (look-ahead only)
+        self._fused: bool | None = None  # whether torch's fused AdamW kernel ran here (None: not tried yet)
         # The parameters Muon updates; empty for adamw and nesterov.
         self.matrices = (
             [n for n, p in self.params.items() if is_muon_matrix(n, p.shape)] if cfg.name == "muon" else []
@@ -274,22 +277,25 @@ class StageOptimizer:
             raise ValueError(
                 f"step weight {weight!r} must be in (0, 1]: the fraction of a full step's micro-batches"
             )
-        grads = {n: g / self.pending for n, g in self.grads.items()}  # average over micro-batches
-        total_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
-        self.last_grad_norm = total_norm
+        # Note "one scale": the step's gradient is the accumulated sums times one scalar (the mean over
+        # micro-batches and the clipping factor together), applied where each rule reads the gradient,
+        # never as a scaled copy of every gradient first.
+        sums = self.grads
+        total_norm = float(torch.nn.utils.get_total_norm(list(sums.values()))) / self.pending
+        self.last_grad_norm = total_norm  # of the mean gradient
+        scale = 1.0 / self.pending
         clip = self.cfg.clip_norm
         if clip is not None and total_norm > clip:
-            scale = clip / (total_norm + 1e-6)
-            grads = {n: g * scale for n, g in grads.items()}
+            scale *= clip / (total_norm + 1e-6)
             self.clipped_steps += 1
         lr = weight * self.cfg.lr_at(self.step_count)
         before = self.params
         if self.cfg.name == "nesterov":
-            self._nesterov(grads, lr)
+            self._nesterov(sums, scale, lr)
         else:
-            self._adamw(grads, lr)  # every parameter of adamw; the non-matrices of muon
+            self._adamw(sums, scale, lr)  # every parameter of adamw; the non-matrices of muon
             if self.matrices:
-                self._muon(grads, weight * self.cfg.muon_lr_at(self.step_count))
+                self._muon(sums, scale, weight * self.cfg.muon_lr_at(self.step_count))
         if self.lookahead:
             self._delta = {n: p - before[n] for n, p in self.params.items()}
         self.step_count += 1
@@ -297,40 +303,67 @@ class StageOptimizer:
         self._served = self._compute_served()
         return self._served
 
-    def _adamw(self, grads: Params, lr: float) -> None:
+    def _adamw(self, sums: Params, scale: float, lr: float) -> None:
+        """torch's own AdamW update (``torch.optim.adamw.adamw``, the functional form of ``torch.optim.AdamW``; fused where the device has the fused
+        kernel) on *copies* of the parameters: the old tensors stay as they are for in-flight backwards
+        (the module note). The moments are private: updated in place. The gradient is ``scale`` times
+        the sums, which the fused kernel takes as its ``grad_scale`` (no scaled copy)."""
+        names = list(self.state["exp_avg"])
+        if not names:
+            return
         beta1, beta2 = self.cfg.betas
-        t = self.step_count + 1
-        bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
-        wd = self.cfg.weight_decay
-        new = dict(self.params)
-        for n in self.state["exp_avg"]:
-            p, m, v, g = self.params[n], self.state["exp_avg"][n], self.state["exp_avg_sq"][n], grads[n]
-            m.mul_(beta1).add_(g, alpha=1.0 - beta1)  # moments are private: in place is safe
-            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-            denom = (v / bc2).sqrt_().add_(_ADAM_EPS)
-            # decoupled weight decay, as torch.optim.AdamW: p <- p * (1 - lr * wd) - lr * m_hat / denom
-            base = p * (1.0 - lr * wd) if wd else p
-            new[n] = base.addcdiv(m, denom, value=-lr / bc1)  # out of place: a new tensor
-        self.params = new
+        new_params = [self.params[n].clone() for n in names]
+        device = new_params[0].device
+        grads = [sums[n] for n in names]
+        kwargs: dict[str, Any] = {}
+        if self._fused is not False and device.type in _FUSED_DEVICES:
+            kwargs = {"fused": True, "grad_scale": torch.tensor(1.0 / scale, device=device)}
+        else:
+            grads = [g * scale for g in grads]  # the reference implementation has no grad_scale
+        steps = [torch.tensor(float(self.step_count), device=device) for _ in names]  # it adds 1 to each
+        moments = ([self.state["exp_avg"][n] for n in names], [self.state["exp_avg_sq"][n] for n in names])
+        common = dict(
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=lr,
+            weight_decay=self.cfg.weight_decay,
+            eps=_ADAM_EPS,
+            maximize=False,
+        )
+        try:
+            _torch_adamw(new_params, grads, *moments, [], steps, **kwargs, **common)
+            if kwargs:
+                self._fused = True
+        except (RuntimeError, NotImplementedError):  # no fused kernel for this device or dtype after all
+            if not kwargs or self._fused:
+                raise
+            self._fused = False
+            steps = [torch.tensor(float(self.step_count), device=device) for _ in names]
+            grads = [g * scale for g in grads]  # the fused attempt raised before it changed anything
+            _torch_adamw(new_params, grads, *moments, [], steps, foreach=False, **common)
+        self.params = {**self.params, **dict(zip(names, new_params, strict=True))}
 
-    def _muon(self, grads: Params, lr: float) -> None:
+    def _muon(self, sums: Params, scale: float, lr: float) -> None:
         """Muon on ``self.matrices`` (note "muon"); new parameter tensors, momentum updated in place."""
         mu, wd = self.cfg.muon_beta, self.cfg.weight_decay
         new = dict(self.params)
         for n in self.matrices:
-            p, m, g = self.params[n], self.state["muon_momentum"][n], grads[n]
+            p, m, g = self.params[n], self.state["muon_momentum"][n], sums[n] * scale
             m.lerp_(g, 1.0 - mu)  # private slot: in place is safe
             update = newton_schulz(g.lerp(m, mu), self.ns_steps)  # Nesterov: (1 - mu) g + mu m; (rows, cols)
-            scale = _MUON_RMS * math.sqrt(max(p.shape))
+            scale_m = _MUON_RMS * math.sqrt(max(p.shape))
             base = p * (1.0 - lr * wd) if wd else p
-            new[n] = base.add(update, alpha=-lr * scale)  # out of place: a new tensor
+            new[n] = base.add(update, alpha=-lr * scale_m)  # out of place: a new tensor
         self.params = new
 
-    def _nesterov(self, grads: Params, lr: float) -> None:
+    def _nesterov(self, sums: Params, scale: float, lr: float) -> None:
         mu, wd = self.cfg.momentum, self.cfg.weight_decay
         new = {}
         for n, p in self.params.items():
-            g = grads[n] + wd * p if wd else grads[n]
+            g = sums[n] * scale
+            if wd:
+                g.add_(p, alpha=wd)
             vel = self.state["velocity"][n]
             vel.mul_(mu).add_(g, alpha=-lr)
             new[n] = p + vel
