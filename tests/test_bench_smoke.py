@@ -585,7 +585,9 @@ def test_stream_cost_benchmark_smoke():
         assert a["packets_per_call"] > 4 and a["wire_bytes_per_call"] > a["serialised_bytes_per_call"]
         assert (a["channels"], b["channels"]) == ("off", "on")
         assert b["wire_bytes_per_call"] < a["wire_bytes_per_call"]
-        assert a["python_cpu_ms_per_call"] > 0 and a["p2pd_cpu_ms_per_call"] > 0
+        assert a["python_cpu_ms_per_call"] >= 0 and a["p2pd_cpu_ms_per_call"] >= 0
+    # CPU comes in clock ticks (10 ms): a few calls of one shape may read 0, all of them together not
+    assert sum(r["python_cpu_ms_per_call"] + r["p2pd_cpu_ms_per_call"] for r in own) > 0
 
 
 @pytest.mark.integration
