@@ -125,9 +125,9 @@ class LinksConfig:
     of the budget: early enough that slower-converging modes reach it too, so that tokens and seconds
     to the target compare every mode (their final losses are compared separately)."""
     pipe_n_micro: int = 8
+    """Micro-batches per pipelining step (its throughput window; also the swarm's window)."""
     pipe_fused_adamw: bool = False
     """The pipelining ranks step with ``torch.optim.AdamW(fused=True)`` (``PipeConfig.fused_adamw``)."""
-    """Micro-batches per pipelining step (its throughput window; also the swarm's window)."""
     max_inflight: int = 8
     """Micro-batches the swarm trainer keeps in flight (async)."""
     threads: int | None = None

@@ -12,7 +12,7 @@ One scale (note "one scale"): the gradient of a step is the accumulated *sums* t
 mean over the step's micro-batches and the clipping factor together; the fused kernel takes it as its
 ``grad_scale`` and the other rules multiply as they read, so no scaled copy of every gradient is made.
 On ``examples/bench.yaml`` this and the fused kernel took the peer's compute path from 1.039x the CPU
-per micro-batch of plain torch (a module, ``backward``, the default ``torch.optim.AdamW``) to 0.985x
+per micro-batch of plain torch (a module, ``backward``, the default ``torch.optim.AdamW``) to 0.985-0.988x
 (``python -m benchmarks.stage_cost``, BENCHMARKS.md "Where the cycles go").
 
 Two parameter sets (note "served weights")
@@ -313,10 +313,10 @@ class StageOptimizer:
         return self._served
 
     def _adamw(self, sums: Params, scale: float, lr: float) -> None:
-        """torch's own AdamW update (``torch.optim.adamw.adamw``, the functional form of ``torch.optim.AdamW``; fused where the device has the fused
-        kernel) on *copies* of the parameters: the old tensors stay as they are for in-flight backwards
-        (the module note). The moments are private: updated in place. The gradient is ``scale`` times
-        the sums, which the fused kernel takes as its ``grad_scale`` (no scaled copy)."""
+        """torch's own AdamW update (``torch.optim.adamw.adamw``, the functional ``torch.optim.AdamW``;
+        fused where the device has the kernel) on *copies* of the parameters: the old tensors stay as
+        they are for in-flight backwards (the module note). The moments are private: updated in place.
+        The gradient is ``scale`` times the sums, which the fused kernel takes as its ``grad_scale``."""
         names = list(self.state["exp_avg"])
         if not names:
             return
@@ -324,33 +324,45 @@ class StageOptimizer:
         new_params = [self.params[n].clone() for n in names]
         device = new_params[0].device
         grads = [sums[n] for n in names]
-        kwargs: dict[str, Any] = {}
-        if self._fused is not False and device.type in _FUSED_DEVICES:
-            kwargs = {"fused": True, "grad_scale": torch.tensor(1.0 / scale, device=device)}
-        else:
-            grads = [g * scale for g in grads]  # the reference implementation has no grad_scale
-        steps = [torch.tensor(float(self.step_count), device=device) for _ in names]  # it adds 1 to each
         moments = ([self.state["exp_avg"][n] for n in names], [self.state["exp_avg_sq"][n] for n in names])
-        common = dict(
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=lr,
-            weight_decay=self.cfg.weight_decay,
-            eps=_ADAM_EPS,
-            maximize=False,
-        )
-        try:
-            _torch_adamw(new_params, grads, *moments, [], steps, **kwargs, **common)
-            if kwargs:
+
+        def update(fused: bool) -> None:
+            steps = [torch.tensor(float(self.step_count), device=device) for _ in names]  # it adds 1 to each
+            if fused:
+                extra: dict[str, Any] = {
+                    "fused": True,
+                    "grad_scale": torch.tensor(1.0 / scale, device=device),
+                }
+                scaled = grads
+            else:  # the reference implementation has no grad_scale
+                extra, scaled = {}, [g * scale for g in grads]
+            _torch_adamw(
+                new_params,
+                scaled,
+                *moments,
+                [],
+                steps,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=lr,
+                weight_decay=self.cfg.weight_decay,
+                eps=_ADAM_EPS,
+                maximize=False,
+                **extra,
+            )
+
+        if self._fused is False or device.type not in _FUSED_DEVICES:
+            update(fused=False)
+        elif self._fused:
+            update(fused=True)
+        else:  # the first step here: does torch have the fused kernel for this device and dtype?
+            try:
+                update(fused=True)
                 self._fused = True
-        except (RuntimeError, NotImplementedError):  # no fused kernel for this device or dtype after all
-            if not kwargs or self._fused:
-                raise
-            self._fused = False
-            steps = [torch.tensor(float(self.step_count), device=device) for _ in names]
-            grads = [g * scale for g in grads]  # the fused attempt raised before it changed anything
-            _torch_adamw(new_params, grads, *moments, [], steps, foreach=False, **common)
+            except (RuntimeError, NotImplementedError):  # raised before it changed anything
+                self._fused = False
+                update(fused=False)
         self.params = {**self.params, **dict(zip(names, new_params, strict=True))}
 
     def _muon(self, sums: Params, scale: float, lr: float) -> None:

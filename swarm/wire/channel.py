@@ -29,6 +29,16 @@ pipeline sharing a machine's cores, that CPU comes out of the compute. On one st
 to a peer go in order (they share the one connection's bandwidth either way) and under that stream's
 flow-control window.
 
+Failures. A channel that breaks (the remote daemon closed it, a frame that does not parse) fails every
+message waiting on it with ``PeerFailure`` ``unreachable``, as a broken stream would, and the next
+message opens a new one. A message that times out closes its channel when nothing came back on it
+since the message was sent and no other message waits on it (the stream may be dead without the
+daemon having noticed). While others wait, their own timeouts decide: a receiver whose loop stalled
+for a moment answers them late, and a short probe's timeout must not fail a forward that would have
+been acknowledged within its own. A reply to a message whose caller gave up is dropped. A peer that
+does not serve channels (older versions) or cannot be reached is sent messages on streams of their own
+for :data:`RETRY_S` before a channel is tried again.
+
 ``SWARMPIPE_CHANNELS=0`` in a sender's environment turns channels off there (every message on a stream
 of its own, as before channels existed; the control-plane benchmark's "before" variant);
 ``SWARMPIPE_CHANNELS=small`` keeps the small lane only (activations on streams of their own, as before the
@@ -86,7 +96,10 @@ Responder = Callable[[runtime_pb2.ExpertRequest, P2PContext], Awaitable[runtime_
 
 def channels_enabled() -> bool:
     """Off only when ``SWARMPIPE_CHANNELS`` is ``0`` (or ``false``/``no``/``off``)."""
-    return _setting() not in ("0", "false", "no", "off")
+    return _setting() not in _OFF
+
+
+_OFF = ("0", "false", "no", "off")
 
 
 def _setting() -> str:
@@ -98,7 +111,7 @@ def lane_of(parts: list[runtime_pb2.ExpertRequest]) -> str | None:
     (several parts, a part over :data:`BULK_MAX_BYTES`, or a lane turned off). Pure but for the
     environment switch."""
     setting = _setting()
-    if setting in ("0", "false", "no", "off") or len(parts) != 1:
+    if setting in _OFF or len(parts) != 1:
         return None
     size = parts[0].ByteSize()
     if size <= CHANNEL_MAX_BYTES:
