@@ -23,6 +23,7 @@ Map of modules:
 - ``sends``: ``Outbox``, sends to the next hop and reports to trainers; micro-batches held here.
 - ``trainers``: ``TrainerWatch``, trainers that cancelled or vanished (their micro-batches are dropped).
 - ``runner``: ``run_peer``, the blocking entry point behind ``swarm peer``.
+- ``allocator``: ``keep_freed_memory``, glibc's thresholds set once per peer process (note "allocator").
 """
 
 from peer.averaging import StageAverager, averager_prefix

@@ -11,14 +11,18 @@ averager, DHT and daemon, so no process or socket file is left behind.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from typing import TextIO
 
+from peer.allocator import keep_freed_memory
 from peer.config import PeerConfig
 from peer.server import StagePeer
 
 __all__ = ["run_peer"]
+
+logger = logging.getLogger(__name__)
 
 
 async def serve_until_stopped(config: PeerConfig, *, out: TextIO = sys.stdout) -> int:
@@ -57,5 +61,7 @@ async def serve_until_stopped(config: PeerConfig, *, out: TextIO = sys.stdout) -
 
 
 def run_peer(config: PeerConfig) -> int:
-    """Blocking: serve ``config``'s run until stopped by a signal; returns the exit code."""
+    """Blocking: serve ``config``'s run until stopped by a signal; returns the exit code. The process
+    keeps freed tensor memory mapped for reuse first (note "allocator", peer/allocator.py)."""
+    logger.info(keep_freed_memory())
     return asyncio.run(serve_until_stopped(config))

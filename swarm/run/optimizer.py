@@ -404,7 +404,6 @@ class StageOptimizer:
         """The weights forwards run with (new tensors after every change; never mutated)."""
         return self._served
 
-    @torch.no_grad()
     # ---- state for checkpoints and downloads --------------------------------------------------
 
     def _slot_layout(self) -> list[tuple[str, str]]:
