@@ -57,7 +57,10 @@ def _apply() -> str:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return f"allocator: the C library's defaults ({platform.system()}, not glibc)"
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    ok = (
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+        and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    )
     if not ok:  # glibc refuses out-of-range values and changes nothing then
         return "allocator: glibc refused the thresholds; the defaults stay"
     return (

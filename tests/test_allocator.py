@@ -47,7 +47,11 @@ print(json.dumps({"answers": answers, "mmapped_blocks_added": after - before}))
 
 
 def _probe(mode: str, **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "SWARMPIPE_MALLOC"))}
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "SWARMPIPE_MALLOC"))
+    }
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, mode],
         cwd=ROOT,
