@@ -99,6 +99,24 @@ def gantt(passes: Sequence[Pass], window: tuple[float, float], path: Path, secon
     plt.close(fig)
 
 
+def cpu_times() -> tuple[int, int]:
+    """The machine's (steal, total) clock ticks so far, from ``/proc/stat`` ((0, 0) where it has none).
+    Steal is time the hypervisor gave this virtual machine's cores to others: on a shared host it is
+    why the same work takes longer in one run than the next."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    steal = fields[7] if len(fields) > 7 else 0
+    return steal, sum(fields[:8])
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """Stolen share of the machine's time between two :func:`cpu_times` readings."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else None
+
+
 def run_once(
     lcfg: LinksConfig,
     work: Path,
@@ -111,58 +129,76 @@ def run_once(
     rate: str = "none",
     mode: str = "async",
     codec: str = "blockwise8",
+    pipelining_first: bool = False,
 ) -> dict[str, Any]:
     """One swarm run with timelines and/or one 1F1B run, on loopback or, with a ``rate``, in the
     network lab with every node's egress shaped to it (``keeper``: ``swarm init`` keeps stage
-    snapshots, as by default)."""
+    snapshots, as by default). ``pipelining_first``: 1F1B runs before the swarm (the benchmark
+    alternates the order between repetitions, so neither side always follows the other's load).
+    Each side records the machine's stolen time share over its run (``steal``)."""
     nodes = {"boot": "boot", "trainer": "trainer", "stages": [f"s{i}" for i in range(8)]}
     n_cores = os.cpu_count() or 1
-    out: dict[str, Any] = {"load_start": os.getloadavg()}
+    out: dict[str, Any] = {
+        "load_start": os.getloadavg(),
+        "order": "1f1b first" if pipelining_first else "swarm first",
+    }
     lcfg = dataclasses.replace(lcfg, throughput_mb=mb)
     names = ["boot", "trainer", *nodes["stages"]]
+
+    def run_swarm_side(lab: Any) -> None:
+        tl = work / "timelines"
+        (work / "swarm").mkdir(parents=True, exist_ok=True)
+        job = Job(
+            kind="swarm",
+            codec=codec,
+            mode=mode,
+            micro_batches=mb,
+            purposes=("throughput",),
+            rate=rate,
+        )
+        before = cpu_times()
+        res = run_swarm(
+            lab,
+            lcfg,
+            job,
+            work / "swarm",
+            nodes,
+            timeline_dir=tl,
+            trainer_args=trainer_args,
+            keeper=keeper,
+        )
+        steal = steal_share(before, cpu_times())
+        analysis, passes = analyse_dir(tl, n_cores)
+        out["swarm"] = {
+            "tokens_per_s": res.get("tokens_per_s"),
+            "tokens_per_s_overall": res.get("tokens_per_s_overall"),
+            "steal": steal,
+            **analysis,
+        }
+        out["_passes"] = passes
+
+    def run_pipelining_side(lab: Any) -> None:
+        base = work / "base.json"
+        base.parent.mkdir(parents=True, exist_ok=True)
+        base.write_bytes(pipelining_spec(lcfg).canonical_bytes())
+        job = Job(kind="pipelining", schedule="1f1b", micro_batches=mb, purposes=("throughput",), rate=rate)
+        threads = lcfg.threads or max(1, n_cores // 4)
+        before = cpu_times()
+        res = _run_job(lab, lcfg, job, work / "pipe", nodes, base, threads)
+        out["pipelining"] = {
+            "tokens_per_s": res.get("tokens_per_s"),
+            "tokens_per_s_overall": res.get("tokens_per_s_overall"),
+            "steal": steal_share(before, cpu_times()),
+            **pipelining_busy(res),
+        }
+
+    sides = [(swarm, run_swarm_side), (pipelining, run_pipelining_side)]
+    if pipelining_first:
+        sides.reverse()
     with open_lab(names, loopback=rate == "none", rate=rate) as lab:
-        if swarm:
-            tl = work / "timelines"
-            (work / "swarm").mkdir(parents=True, exist_ok=True)
-            job = Job(
-                kind="swarm",
-                codec=codec,
-                mode=mode,
-                micro_batches=mb,
-                purposes=("throughput",),
-                rate=rate,
-            )
-            res = run_swarm(
-                lab,
-                lcfg,
-                job,
-                work / "swarm",
-                nodes,
-                timeline_dir=tl,
-                trainer_args=trainer_args,
-                keeper=keeper,
-            )
-            analysis, passes = analyse_dir(tl, n_cores)
-            out["swarm"] = {
-                "tokens_per_s": res.get("tokens_per_s"),
-                "tokens_per_s_overall": res.get("tokens_per_s_overall"),
-                **analysis,
-            }
-            out["_passes"] = passes
-        if pipelining:
-            base = work / "base.json"
-            base.parent.mkdir(parents=True, exist_ok=True)
-            base.write_bytes(pipelining_spec(lcfg).canonical_bytes())
-            job = Job(
-                kind="pipelining", schedule="1f1b", micro_batches=mb, purposes=("throughput",), rate=rate
-            )
-            threads = lcfg.threads or max(1, n_cores // 4)
-            res = _run_job(lab, lcfg, job, work / "pipe", nodes, base, threads)
-            out["pipelining"] = {
-                "tokens_per_s": res.get("tokens_per_s"),
-                "tokens_per_s_overall": res.get("tokens_per_s_overall"),
-                **pipelining_busy(res),
-            }
+        for wanted, side in sides:
+            if wanted:
+                side(lab)
     out["load_end"] = os.getloadavg()
     return out
 
@@ -191,6 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the 1F1B ranks step with torch.optim.AdamW(fused=True), the stage peers' kernel",
     )
     p.add_argument("--codec", default="blockwise8", help="the swarm's activation and gradient codec")
+    p.add_argument(
+        "--alternate",
+        action="store_true",
+        help="odd repetitions run 1F1B before the swarm (even ones: the swarm first, as without it)",
+    )
     p.add_argument("--analyze", type=Path, default=None, help="analyse the timelines in this directory")
     p.add_argument(
         "--render", action="store_true", help="rewrite BENCHMARKS.md 'Where the cycles go' from the JSON"
@@ -218,6 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mode": args.mode,
         "codec": args.codec,
         "pipelining_fused_adamw": args.pipelining_fused,
+        "allocator_env": {  # what the processes inherit (note "allocator", peer/allocator.py)
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "SWARMPIPE_MALLOC")
+        },
         "runs": [],
     }
     t0 = time.time()
@@ -234,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rate=args.rate,
                 mode=args.mode,
                 codec=args.codec,
+                pipelining_first=args.alternate and rep % 2 == 1,
             )
             passes = r.pop("_passes")
             if rep == 0:
@@ -241,8 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["runs"].append(r)
             s, q = r["swarm"], r.get("pipelining") or {}
             print(
-                f"rep {rep}: swarm {s['tokens_per_s'] or 0:.0f} tokens/s, {s['cores']['busy_cores']:.2f} cores busy; "
-                f"1F1B {q.get('tokens_per_s') or 0:.0f} tokens/s, {q.get('busy_cores', 0):.2f} cores busy",
+                f"rep {rep} ({r['order']}): swarm {s['tokens_per_s'] or 0:.0f} tokens/s "
+                f"({s.get('tokens_per_s_overall') or 0:.0f} overall), {s['cores']['busy_cores']:.2f} cores busy, "
+                f"steal {100 * (s.get('steal') or 0):.1f}%; 1F1B {q.get('tokens_per_s') or 0:.0f} tokens/s "
+                f"({q.get('tokens_per_s_overall') or 0:.0f} overall), {q.get('busy_cores', 0):.2f} cores busy, "
+                f"steal {100 * (q.get('steal') or 0):.1f}%",
                 flush=True,
             )
     report["wall_s"] = time.time() - t0

@@ -164,6 +164,13 @@ def test_the_markdown_block_shows_runs_stages_and_hops():
     assert "| before | 1.0 + 4.0 |" in text and text.rstrip().endswith("**Reading.**")
 
 
+def test_steal_share_is_the_stolen_part_of_the_ticks_between_readings():
+    from benchmarks.timeline import steal_share
+
+    assert steal_share((10, 1000), (40, 1300)) == pytest.approx(0.1)
+    assert steal_share((5, 100), (5, 100)) is None  # no ticks passed: no share
+
+
 @pytest.mark.slow
 def test_timeline_benchmark_smoke(tmp_path):
     """A tiny swarm with timelines and a tiny 1F1B on loopback: the analysis and the chart come out."""
@@ -187,7 +194,8 @@ def test_timeline_benchmark_smoke(tmp_path):
         start_timeout_s=120,
         run_timeout_s=120,
     )
-    r = run_once(cfg, tmp_path / "work", swarm=True, pipelining=True, mb=24)
+    r = run_once(cfg, tmp_path / "work", swarm=True, pipelining=True, mb=24, pipelining_first=True)
+    assert r["order"] == "1f1b first"
     passes = r.pop("_passes")
     s = r["swarm"]
     assert s["tokens_per_s"] > 0 and set(s["stages"]) == {"0", "1"}
@@ -195,5 +203,7 @@ def test_timeline_benchmark_smoke(tmp_path):
     assert 0 < s["cores"]["busy_cores"] <= 2 and s["cores"]["compute_cpu_cores"] > 0
     assert set(s["hops"]) == {"0->1", "1->0"}
     assert r["pipelining"]["tokens_per_s"] > 0 and r["pipelining"]["busy_cores"] > 0
+    for side in (s, r["pipelining"]):  # /proc/stat's steal share over each side's own run
+        assert side["steal"] is None or 0.0 <= side["steal"] < 1.0
     gantt(passes, tuple(s["window"]), tmp_path / "g.png")
     assert (tmp_path / "g.png").stat().st_size > 1000
