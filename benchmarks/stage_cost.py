@@ -126,8 +126,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (one per stage process, as the benchmarks)"
     )
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="set glibc's thresholds first, as a stage peer's process does (note 'allocator', "
+        "peer/allocator.py); both paths run in this process, so both get them",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    allocator = "the C library's defaults (not asked to keep freed memory)"
+    if args.keep_freed_memory:
+        from peer.allocator import keep_freed_memory
+
+        allocator = keep_freed_memory()
     if args.micro_batches < 1 or args.micro_batches % args.accumulate:
         p.error(
             f"--micro-batches {args.micro_batches} must be a positive multiple of --accumulate {args.accumulate}"
@@ -162,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repeats": args.repeats,
         "threads": args.threads,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "allocator": allocator,
         "stages": rows,
         "ratio_all": sum(r["peer_cpu_s"] for r in rows) / sum(r["plain_cpu_s"] for r in rows),
         "ratio_all_fused": sum(r["peer_cpu_s"] for r in rows) / sum(r["plain_fused_cpu_s"] for r in rows),
