@@ -172,6 +172,7 @@ def run_once(
         out["swarm"] = {
             "tokens_per_s": res.get("tokens_per_s"),
             "tokens_per_s_overall": res.get("tokens_per_s_overall"),
+            "window_rates": res.get("window_rates"),  # in order: a slow stretch shows where it was
             "steal": steal,
             **analysis,
         }

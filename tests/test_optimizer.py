@@ -451,3 +451,34 @@ def test_a_twin_with_fewer_newton_schulz_iterations_changes_only_the_muon_matric
     torch.testing.assert_close(full["embed.weight"], cheap["embed.weight"])
     with pytest.raises(ValueError, match="ns_steps=0"):
         opt.twin(ns_steps=0)
+
+
+def test_blank_accumulators_count_as_zero_after_a_step_and_a_hand_over():
+    """Note "blank accumulators": a step leaves old sums in the buffers; the next gradient is copied over
+    them, and a parameter no micro-batch reached reads as zero in the step and in a hand-over."""
+    cfg = OptimizerConfig(
+        name="nesterov", lr=1.0, momentum=0.0, weight_decay=0.0, clip_norm=None, accumulate=2
+    )
+    opt = StageOptimizer(_params(), cfg)
+    opt.accumulate(_grads(1))
+    opt.accumulate(_grads(2))
+    first = opt.step()
+    g3 = _grads(3)
+    opt.accumulate({"a": g3["a"].to(torch.bfloat16), "b": None})  # copied in, converted to float32
+    opt.accumulate({"a": g3["a"]})
+    second = opt.step()
+    torch.testing.assert_close(second["b"], first["b"])  # no gradient reached b: it did not move
+    expected_a = (g3["a"].to(torch.bfloat16).float() + g3["a"]) / 2
+    torch.testing.assert_close(second["a"], first["a"] - expected_a)
+    opt.accumulate({"a": g3["a"]})
+    sums, count = opt.take_gradients()
+    assert count == 1
+    torch.testing.assert_close(sums[0], g3["a"])
+    assert torch.equal(sums[1], torch.zeros(5))  # written as zeros before handing over
+    opt.accumulate({"b": g3["b"]})
+    opt.give_back_gradients(sums, count)  # onto a buffer that holds b's gradient and a blank a
+    assert opt.pending == 2
+    again, count = opt.take_gradients()
+    assert count == 2
+    torch.testing.assert_close(again[0], g3["a"])
+    torch.testing.assert_close(again[1], g3["b"])

@@ -15,6 +15,12 @@ On ``examples/bench.yaml`` this and the fused kernel took the peer's compute pat
 per micro-batch of plain torch (a module, ``backward``, the default ``torch.optim.AdamW``) to 0.985-0.988x
 (``python -m benchmarks.stage_cost``, BENCHMARKS.md "Where the cycles go").
 
+Blank accumulators (note "blank accumulators"): a step does not zero the gradient accumulators; it
+marks them blank, and the next micro-batch's gradient is *copied* into a blank one instead of added to
+zeros, as ``backward`` takes over the first ``.grad`` in plain torch. Anything that reads every
+accumulator (the step, handing gradients to a round, putting them back) first writes the zeros of those
+still blank (a parameter no micro-batch reached). Saves a pass over every gradient per step.
+
 Two parameter sets (note "served weights")
 -------------------------------------------
 The optimizer owns the *base* parameters ``params`` (what is checkpointed and sent to
@@ -166,7 +172,10 @@ class StageOptimizer:
         self.cfg = cfg
         self.names = list(params)
         self.params: Params = {n: p.detach().clone() for n, p in params.items()}
-        self.grads: Params = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.grads: Params = {n: torch.empty_like(p) for n, p in self.params.items()}
+        # Note "blank accumulators": the names whose accumulator counts as zero whatever it holds; the
+        # next micro-batch's gradient is copied in (no zeroing pass per step, no add onto zeros).
+        self._blank: set[str] = set(self.names)
         self.pending = 0  # micro-batches accumulated since the last step
         self.step_count = 0  # optimizer steps taken (drives the LR schedule)
         self.ns_steps = _NS_STEPS  # Newton-Schulz iterations per Muon step (a preview's twin takes fewer)
@@ -202,7 +211,12 @@ class StageOptimizer:
         later, :meth:`note_staleness`)."""
         with torch.no_grad():
             for name, g in grads.items():
-                if g is not None:
+                if g is None:
+                    continue
+                if name in self._blank:
+                    self.grads[name].copy_(g)  # converts the dtype as add_ would
+                    self._blank.discard(name)
+                else:
                     self.grads[name].add_(g.to(self.grads[name].dtype))
         self.pending += 1
         if staleness is not None:
@@ -222,22 +236,31 @@ class StageOptimizer:
         return self.pending >= self.cfg.accumulate
 
     def zero_grad(self) -> None:
-        for g in self.grads.values():
-            g.zero_()
+        """Forget the accumulated gradients (lazily: note "blank accumulators")."""
+        self._blank = set(self.grads)
         self.pending = 0
+
+    def _fill_blanks(self) -> None:
+        """Write the zeros of the accumulators still blank, before anything reads all of them."""
+        with torch.no_grad():
+            for name in self._blank:
+                self.grads[name].zero_()
+        self._blank = set()
 
     # ---- gradients combined across replicas (peer/replicas.py) -------------------------------
 
     def take_gradients(self) -> tuple[list[torch.Tensor], int]:
         """Hand over the accumulated gradient *sums* (in ``names`` order) and their micro-batch count;
         accumulation restarts from zero (new buffers, so backwards arriving meanwhile are kept apart)."""
+        self._fill_blanks()
         taken, count = [self.grads[n] for n in self.names], self.pending
-        self.grads = {n: torch.zeros_like(g) for n, g in self.grads.items()}
-        self.pending = 0
+        self.grads = {n: torch.empty_like(g) for n, g in self.grads.items()}
+        self.zero_grad()
         return taken, count
 
     def give_back_gradients(self, sums: list[torch.Tensor], count: int) -> None:
         """Undo :meth:`take_gradients` (a round that did not complete): add the sums back."""
+        self._fill_blanks()
         with torch.no_grad():
             for n, g in zip(self.names, sums, strict=True):
                 self.grads[n].add_(g.to(self.grads[n].device, self.grads[n].dtype))
@@ -247,7 +270,8 @@ class StageOptimizer:
         """One step with the given *mean* gradient (the replicas' combined one) instead of the local
         accumulator, which is left as it is (backwards that arrived during the round stay in it);
         ``weight`` as in :meth:`step`."""
-        kept, kept_count = self.grads, self.pending
+        kept, kept_count, kept_blank = self.grads, self.pending, self._blank
+        self._blank = set()  # the given mean is whole
         device = next(iter(self.params.values())).device
         self.grads = {
             n: g.to(device, torch.float32, copy=True) for n, g in zip(self.names, mean_grads, strict=True)
@@ -256,7 +280,7 @@ class StageOptimizer:
         try:
             return self.step(weight=weight)
         finally:
-            self.grads, self.pending = kept, kept_count
+            self.grads, self.pending, self._blank = kept, kept_count, kept_blank
 
     def twin(self, *, ns_steps: int | None = None) -> StageOptimizer:
         """A copy that can step without changing this optimizer: its own optimizer state (cloned), the
@@ -268,6 +292,7 @@ class StageOptimizer:
         twin = copy.copy(self)
         twin.state = {slot: {n: t.clone() for n, t in slots.items()} for slot, slots in self.state.items()}
         twin.grads = {}  # step_with replaces it; nothing of ours is zeroed
+        twin._blank = set()
         if ns_steps is not None:
             twin.ns_steps = ns_steps
         return twin
@@ -289,6 +314,7 @@ class StageOptimizer:
         # Note "one scale": the step's gradient is the accumulated sums times one scalar (the mean over
         # micro-batches and the clipping factor together), applied where each rule reads the gradient,
         # never as a scaled copy of every gradient first.
+        self._fill_blanks()  # a parameter no micro-batch reached has a zero gradient
         sums = self.grads
         total_norm = float(torch.nn.utils.get_total_norm(list(sums.values()))) / self.pending
         self.last_grad_norm = total_norm  # of the mean gradient
