@@ -134,9 +134,18 @@ def tcp_bytes(lab: Any, nodes: list[str]) -> dict[str, dict[str, int]]:
     where = {lab.address(n): n for n in nodes}
     out: dict[str, dict[str, int]] = {}
     for n in nodes:
-        text = subprocess.run(
-            ["ip", "netns", "exec", lab.ns(n), "ss", "-tinH"], capture_output=True, text=True, check=False
-        ).stdout
+        for attempt in range(3):  # `ip netns exec` can fail on a loaded machine; an empty reading is no data
+            done = subprocess.run(
+                ["ip", "netns", "exec", lab.ns(n), "ss", "-tinH"], capture_output=True, text=True, check=False
+            )
+            if done.returncode == 0:
+                break
+            time.sleep(0.2 * (attempt + 1))
+        else:
+            print(
+                f"control_plane: ss in {n}'s namespace failed 3 times: {done.stderr.strip()}", file=sys.stderr
+            )
+        text = done.stdout
         dst = None
         for line in text.splitlines():
             fields = line.split()
