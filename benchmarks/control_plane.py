@@ -126,9 +126,11 @@ def breakdown(
     return out
 
 
-def tcp_bytes(lab: Any, nodes: list[str]) -> dict[str, dict[str, int]]:
-    """Bytes each node's TCP connections sent so far (``ss``'s ``bytes_sent``: TCP payload, without IP/TCP
-    headers), summed per destination node of the lab: ``{src: {dst: bytes}}``."""
+def tcp_bytes(lab: Any, nodes: list[str]) -> dict[str, dict[str, dict[str, int]]]:
+    """Bytes each node's open TCP connections sent so far (``ss``'s ``bytes_sent``: TCP payload, without
+    IP/TCP headers), per destination node of the lab and per connection (``"local peer"`` addresses):
+    ``{src: {dst: {connection: bytes}}}``. Kept per connection so that :func:`pair_bytes` can take each
+    connection's own difference: libp2p closes duplicate connections, and a pair's sum would then fall."""
     import subprocess
 
     where = {lab.address(n): n for n in nodes}
@@ -145,27 +147,38 @@ def tcp_bytes(lab: Any, nodes: list[str]) -> dict[str, dict[str, int]]:
             print(
                 f"control_plane: ss in {n}'s namespace failed 3 times: {done.stderr.strip()}", file=sys.stderr
             )
-        text = done.stdout
-        dst = None
-        for line in text.splitlines():
-            fields = line.split()
-            if len(fields) >= 5 and ":" in fields[4] and not line[:1].isspace():
-                dst = where.get(fields[4].rsplit(":", 1)[0])
-                continue
-            m = re.search(r"bytes_sent:(\d+)", line)
-            if m and dst is not None and dst != n:
-                out.setdefault(n, {}).setdefault(dst, 0)
-                out[n][dst] += int(m.group(1))
-                dst = None
+        for dst, conn, sent in parse_ss(done.stdout, where):
+            if dst != n:
+                out.setdefault(n, {}).setdefault(dst, {})[conn] = sent
+    return out
+
+
+def parse_ss(text: str, where: dict[str, str]) -> list[tuple[str, str, int]]:
+    """``(destination node, connection, bytes_sent)`` for each connection in ``ss -tinH`` output whose peer
+    address is one of ``where``'s (address -> node) (pure)."""
+    out = []
+    dst = conn = None
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and ":" in fields[4] and not line[:1].isspace():
+            dst, conn = where.get(fields[4].rsplit(":", 1)[0]), f"{fields[3]} {fields[4]}"
+            continue
+        m = re.search(r"bytes_sent:(\d+)", line)
+        if m and dst is not None:
+            out.append((dst, conn, int(m.group(1))))
+            dst = None
     return out
 
 
 def pair_bytes(start: dict, end: dict, tokens: int) -> dict[str, float]:
-    """Per token, what each node sent each other node between two :func:`tcp_bytes` readings (pure)."""
+    """Per token, what each node sent each other node between two :func:`tcp_bytes` readings (pure): each
+    connection open at the end counts what it sent since the start (all of it if it opened later). A
+    connection closed in between is not counted (its last bytes are unknown), so this is a lower bound."""
     out = {}
     for src, d in end.items():
-        for dst, b in d.items():
-            delta = b - start.get(src, {}).get(dst, 0)
+        for dst, conns in d.items():
+            before = start.get(src, {}).get(dst, {})
+            delta = sum(max(0, b - before.get(c, 0)) for c, b in conns.items())
             if delta > 0:
                 out[f"{src}->{dst}"] = delta / tokens
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))

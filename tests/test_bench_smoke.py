@@ -540,6 +540,33 @@ def test_gpu_check_dry_path_on_cpu(tmp_path):
     assert report["swarm_vs_pipelining"] > 0
 
 
+SS_TWO_TO_ONE = """ESTAB 0 0 10.77.0.2:40001 10.77.0.3:51234
+\t cubic wscale:7,7 rto:204 bytes_sent:9000 bytes_acked:9000 bytes_received:100
+ESTAB 0 0 10.77.0.2:51240 10.77.0.3:40002
+\t cubic wscale:7,7 rto:204 bytes_sent:500 bytes_acked:500
+ESTAB 0 0 10.77.0.2:40001 127.0.0.1:40100
+\t cubic bytes_sent:7
+"""
+
+
+def test_tcp_pair_bytes_count_each_connection_and_never_go_negative():
+    """ss output is read per connection; a duplicate connection libp2p closes between two readings does
+    not pull its pair's figure below what the open connections sent (it made the smoke test read {})."""
+    from benchmarks.control_plane import pair_bytes, parse_ss
+
+    where = {"10.77.0.3": "s1"}
+    conns = parse_ss(SS_TWO_TO_ONE, where)
+    assert conns == [
+        ("s1", "10.77.0.2:40001 10.77.0.3:51234", 9000),
+        ("s1", "10.77.0.2:51240 10.77.0.3:40002", 500),
+    ]
+    start = {"s0": {"s1": {c: b for _, c, b in conns}}}
+    # the bigger connection closed; the other sent 1000 more; a new one opened and sent 300
+    end = {"s0": {"s1": {"10.77.0.2:51240 10.77.0.3:40002": 1500, "10.77.0.2:40001 10.77.0.3:60000": 300}}}
+    assert pair_bytes(start, end, tokens=100) == {"s0->s1": 13.0}
+    assert pair_bytes(end, end, tokens=100) == {}
+
+
 @pytest.mark.slow
 @needs_lab
 def test_control_plane_benchmark_smoke(tiny_spec):
