@@ -2,6 +2,7 @@
 
     python -m benchmarks.cpu_by_process -- python -m swarm.cli demo --out /tmp/d --no-reference --quiet
     python -m benchmarks.cpu_by_process --threads -- python -m swarm.cli demo --out /tmp/d --no-reference --quiet
+    python -m benchmarks.cpu_by_process --window 60:120 -- python -m benchmarks.timeline --no-pipelining
 
 Every second it reads utime + stime of every thread of every descendant from /proc and keeps each
 thread's last reading; at the end it prints the totals by kind: ``peer`` (a ``swarm peer`` process),
@@ -14,6 +15,10 @@ totals are a lower bound. Linux only. BENCHMARKS.md "Demo throughput" shows what
 function of each thread of each process, and it tells a forked child that runs hivemind's DHT from one
 that runs an averager by those entry functions (``peer/dht``, ``peer/averager``). Threads it could not
 name are ``?`` (a native thread, such as torch's, or one that ended between two dumps).
+
+``--window A:B`` counts only what was spent between A and B seconds after the start (each thread's
+reading at B less its reading at A; a thread born in between counts from 0): the steady state of a run,
+without its start-up and shut-down. It also prints the window's length, so totals read as cores.
 """
 
 from __future__ import annotations
@@ -113,10 +118,14 @@ def _child_role(names: dict[int, str]) -> str:
 
 
 def measure(
-    argv: list[str], every_s: float = 1.0, *, threads: bool = False
+    argv: list[str], every_s: float = 1.0, *, threads: bool = False, window: tuple[float, float] | None = None
 ) -> tuple[int, dict[str, float], dict[str, float]]:
-    """Run ``argv``; its exit code, CPU seconds by kind of process and (``threads``) by kind of thread."""
+    """Run ``argv``; its exit code, CPU seconds by kind of process and (``threads``) by kind of thread,
+    all of the run or (``window``: seconds after the start) between two readings."""
     last: dict[tuple[int, int], tuple[str, int]] = {}
+    at_start: dict[tuple[int, int], tuple[str, int]] = {}
+    at_end: dict[tuple[int, int], tuple[str, int]] | None = None
+    t0 = time.monotonic()
     labels: dict[int, str] = {}
     names: dict[tuple[int, int], str] = {}
     py_spy = _py_spy() if threads else None
@@ -153,11 +162,20 @@ def measure(
                     last[(pid, int(tid))] = (labels[pid], int(fields[11]) + int(fields[12]))
             except (OSError, ValueError, IndexError):
                 continue
+        if window is not None:
+            elapsed = time.monotonic() - t0
+            if elapsed >= window[0] and not at_start:
+                at_start = dict(last)
+            if elapsed >= window[1] and at_end is None:
+                at_end = dict(last)
         time.sleep(every_s)
+    if window is not None and at_end is None:
+        print(f"cpu_by_process: the run ended before {window[1]:.0f} s; counting to its end", file=sys.stderr)
     totals: dict[str, float] = collections.Counter()
     by_thread: dict[str, float] = collections.Counter()
-    for (pid, tid), (_label, ticks) in last.items():
+    for (pid, tid), (_label, ticks) in (last if at_end is None else at_end).items():
         label = labels.get(pid, _label)
+        ticks -= at_start.get((pid, tid), ("", 0))[1]
         totals[label] += ticks / TICKS
         if threads:
             name = names.get((pid, tid), "main" if pid == tid else "?")
@@ -167,17 +185,29 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    threads = args[:1] == ["--threads"]
+    threads = "--threads" in args[: args.index("--") if "--" in args else len(args)]
     if threads:
-        args = args[1:]
+        args.remove("--threads")
+    window = None
+    if args[:1] == ["--window"]:
+        try:
+            a, b = (float(x) for x in args[1].split(":"))
+        except (IndexError, ValueError):
+            print("cpu_by_process: --window wants START:END in seconds, e.g. 60:120", file=sys.stderr)
+            return 2
+        if not 0 <= a < b:
+            print(f"cpu_by_process: --window {args[1]}: START must be >= 0 and below END", file=sys.stderr)
+            return 2
+        window, args = (a, b), args[2:]
     if args[:1] == ["--"]:
         args = args[1:]
     if not args:
         print(__doc__, file=sys.stderr)
         return 2
-    rc, totals, by_thread = measure(args, threads=threads)
+    rc, totals, by_thread = measure(args, threads=threads, window=window)
     total = sum(totals.values()) or 1.0
-    print(f"CPU seconds, all processes: {total:.1f}")
+    span = f" between {window[0]:.0f} and {window[1]:.0f} s ({window[1] - window[0]:.0f} s)" if window else ""
+    print(f"CPU seconds, all processes{span}: {total:.1f}")
     for label, s in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:40s} {s:7.1f}  {s / total:.1%}")
     if threads:

@@ -16,6 +16,15 @@ state (``allow_state_sharing`` starts False), and its priority is its version, s
 the most advanced replica. State downloads travel as one flat tensor, unflattened with the
 receiver's own shapes (which also checks their total size).
 
+Note "state in shared memory": ``get_current_state`` runs in the peer's process, and hivemind pickles
+what it returns through a pipe to its averager process, where torch moves any tensor not yet in shared
+memory into shared memory (a copy of a stage's whole state: 77 MB for the benchmark model). So the
+donor state is copied once, straight from the live tensors into one flat tensor allocated in shared
+memory (``shared_empty``; ``StageCompute.export_state(empty=...)``), and the pipe passes its handle; a
+keeper's snapshot, moved into shared memory by its first download, is passed as it is. Each download
+gets a fresh buffer: the averager process reads it after the host has returned, so one buffer reused
+across downloads could change under a download still being sent.
+
 Gradient rounds (``combine``; the protocol is in peer/replicas.py): the averager's buffer is ONE
 flat float32 shared-memory tensor: the replica's gradient *sums* and, after them, its micro-batch
 count, laid out with a sentinel every ``SENTINEL_EVERY`` elements (peer/round_buffer.py, note
@@ -108,11 +117,35 @@ def averager_prefix(run_id: str, spec_hash: str, stage: int) -> str:
     return prefix
 
 
+def shared_empty(numel: int) -> torch.Tensor:
+    """An uninitialised 1-D float32 CPU tensor in shared memory (note "state in shared memory")."""
+    storage = torch.UntypedStorage._new_shared(numel * 4)
+    return torch.empty(0, dtype=torch.float32).set_(storage, 0, (numel,), (1,))
+
+
+def flatten_into(tensors: list[torch.Tensor], empty: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``tensors`` end to end as float32, copied once into ``empty(total numel)`` (pure)."""
+    flat = empty(sum(t.numel() for t in tensors))
+    offset = 0
+    for t in tensors:
+        flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+        offset += t.numel()
+    return flat
+
+
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+    """The one tensor a state download sends: ``tensors`` as they are when they already are one flat
+    float32 tensor in shared memory, else copied into one (note "state in shared memory")."""
+    if len(tensors) == 1:
+        [t] = tensors
+        if t.dim() == 1 and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_shared():
+            return t.detach()
+    return flatten_into(tensors, shared_empty)
 
 
 def _unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    if len(shapes) == 1 and flat.shape == shapes[0]:
+        return [flat]  # the downloaded tensor is ours alone: no copy
     sizes = [s.numel() for s in shapes]
     return [part.reshape(shape).clone() for part, shape in zip(flat.split(sizes), shapes, strict=True)]
 

@@ -449,10 +449,15 @@ class StageCompute:
 
     # ---- state transfer, averaging, checkpoints ------------------------------------------------
 
-    def export_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """``(metadata, tensors)`` of base parameters and optimizer state, copied to CPU."""
+    def export_state(
+        self, copy: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """``(metadata, tensors)`` of base parameters and optimizer state, copied to CPU while the lock is
+        held: each on its own, or by ``copy`` (e.g. all into one flat tensor in shared memory,
+        peer/averaging.py note "state in shared memory"), which must not keep the live tensors."""
         with self.lock:
-            tensors = [t.detach().to("cpu", copy=True) for t in self.optimizer.state_tensors()]
+            state = self.optimizer.state_tensors()
+            tensors = [t.detach().to("cpu", copy=True) for t in state] if copy is None else copy(state)
             meta = {
                 "spec_hash": self.spec.spec_hash,
                 "stage": self.stage,

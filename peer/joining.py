@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from peer.averaging import StageAverager
+from peer.averaging import StageAverager, flatten_into, shared_empty
 from peer.checkpoint import Checkpoint, load_checkpoint
 from peer.compute import StageCompute
 from peer.throughput import ServedRate, measure_throughput, store_throughput
@@ -381,7 +381,7 @@ class StageJoining:
         if compute is None or self.state not in ("online", "leaving"):
             raise RequestError("this peer holds no stage state to share yet")
         self._stage_hint()  # a joiner (or a lagging replica) of this stage: count the replicas again soon
-        return compute.export_state()
+        return compute.export_state(copy=lambda live: [flatten_into(live, shared_empty)])
 
     def _as_checkpoint(self, compute: StageCompute) -> Checkpoint:
         """The state of ``compute`` as a checkpoint of this run (to save, or to rejoin its stage)."""

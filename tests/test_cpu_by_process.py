@@ -31,3 +31,12 @@ def test_child_role_tells_the_dht_process_from_the_averager():
     assert _child_role({1: "Thread-3 (_run_internal) | DecentralizedAverager._run_internal"}) == "averager"
     assert _child_role({1: "asyncio_0 | DHT.run_in_background", 2: "MainThread | main"}) == "dht"
     assert _child_role({1: "MainThread | main"}) == "child"
+
+
+def test_window_must_be_two_increasing_times(capsys):
+    from benchmarks.cpu_by_process import main
+
+    assert main(["--window", "60", "--", "true"]) == 2
+    assert "START:END" in capsys.readouterr().err
+    assert main(["--threads", "--window", "90:30", "--", "true"]) == 2
+    assert "START must be >= 0 and below END" in capsys.readouterr().err

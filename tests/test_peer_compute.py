@@ -292,6 +292,35 @@ def test_a_replica_adopts_a_newer_state_keeping_its_in_flight_work():
     assert comp.version == 2
 
 
+def test_a_download_exports_the_state_once_into_shared_memory():
+    """A donor's state for a download (peer/averaging.py, note "state in shared memory") is copied once
+    into one flat float32 tensor in shared memory: the same values as the plain export, passed on as it
+    is, independent of the live tensors, and imported like the plain one."""
+    from peer.averaging import _flatten, _unflatten, flatten_into, shared_empty
+
+    donor = StageCompute(spec(accumulate=1), 0)
+    donor.forward("d", tokens(0), "train")
+    donor.backward("d", grad(0))
+    meta, tensors = donor.export_state()
+    meta_flat, [flat] = donor.export_state(copy=lambda live: [flatten_into(live, shared_empty)])
+    assert meta_flat == meta and meta["version"] == 1
+    assert (
+        flat.is_shared() and flat.dtype == torch.float32 and flat.numel() == sum(t.numel() for t in tensors)
+    )
+    assert _flatten([flat]).data_ptr() == flat.data_ptr()  # already shared and flat: no copy
+    from_parts = _flatten(tensors)
+    assert from_parts.is_shared() and torch.equal(from_parts, flat)
+    shapes = [t.shape for t in tensors]
+    for got, want in zip(_unflatten(flat, shapes), tensors, strict=True):
+        assert torch.equal(got, want)
+    comp = StageCompute(spec(accumulate=1), 0)
+    comp.import_state(meta_flat, _unflatten(flat, shapes))
+    flat.zero_()  # neither peer's live state shares memory with the exported copy
+    for name, value in comp.params().items():
+        torch.testing.assert_close(value, donor.params()[name], rtol=0, atol=0)
+        assert value.abs().sum() > 0
+
+
 def test_sync_replica_closes_its_share_when_the_next_window_begins():
     clock = [0.0]
     comp = StageCompute(spec(mode="sync", accumulate=2), 0, clock=lambda: clock[0])
