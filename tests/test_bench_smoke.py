@@ -661,3 +661,13 @@ def test_stage_cost_compares_the_peer_path_with_plain_torch(tmp_path):
         assert math.isclose(row["ratio_fused"], row["peer_cpu_s"] / row["plain_fused_cpu_s"])
     with pytest.raises(SystemExit):
         stage_cost.main(["--spec", str(spec), "--accumulate", "3", "--micro-batches", "4", "--out", str(out)])
+
+
+def test_state_export_measures_both_hand_overs_of_a_donor_state():
+    """benchmarks/state_export.py on the tiny example: both ways hand over the whole state."""
+    from benchmarks.state_export import run
+
+    res = run("examples/tiny.yaml", 0, rounds=2)
+    assert res["state_mb"] > 0 and set(res["medians"]) == {"separate", "shared"}
+    for way in res["all"].values():
+        assert len(way["donor_s"]) == 2 and all(s >= 0 for s in way["receiver_s"])
