@@ -42,10 +42,10 @@ def _receiver(conn: Any) -> None:  # the averager process's side
 
 
 def run(spec_path: str, stage: int, rounds: int) -> dict[str, Any]:
+    import hivemind.utils.mpfuture  # noqa: F401 -- sets torch's sharing strategy as in a peer
     import torch
     import torch.multiprocessing as tmp
 
-    import hivemind.utils.mpfuture  # noqa: F401 -- sets torch's sharing strategy as in a peer
     from peer.averaging import _flatten, flatten_into, shared_empty
     from peer.compute import StageCompute
     from swarm.run.spec import RunSpec
