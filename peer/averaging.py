@@ -20,7 +20,7 @@ Note "state in shared memory": ``get_current_state`` runs in the peer's process,
 what it returns through a pipe to its averager process, where torch moves any tensor not yet in shared
 memory into shared memory (a copy of a stage's whole state: 77 MB for the benchmark model). So the
 donor state is copied once, straight from the live tensors into one flat tensor allocated in shared
-memory (``shared_empty``; ``StageCompute.export_state(empty=...)``), and the pipe passes its handle; a
+memory (``shared_empty``, ``flatten_into``; ``StageCompute.export_state(copy=...)``), and the pipe passes its handle; a
 keeper's snapshot, moved into shared memory by its first download, is passed as it is. Each download
 gets a fresh buffer: the averager process reads it after the host has returned, so one buffer reused
 across downloads could change under a download still being sent.

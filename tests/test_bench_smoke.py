@@ -671,3 +671,29 @@ def test_state_export_measures_both_hand_overs_of_a_donor_state():
     assert res["state_mb"] > 0 and set(res["medians"]) == {"separate", "shared"}
     for way in res["all"].values():
         assert len(way["donor_s"]) == 2 and all(s >= 0 for s in way["receiver_s"])
+
+
+def test_peak_watcher_finds_every_descendant_from_one_process_table():
+    from benchmarks.links import PeakWatcher, family
+
+    # 1 -> 2 -> 4, 1 -> 3; 10 -> 11; 20 has no children; 30 is not a root
+    parent_of = {2: 1, 3: 1, 4: 2, 11: 10, 31: 30}
+    below = family([1, 10, 20], parent_of)
+    assert sorted(below[1]) == [2, 3, 4] and below[10] == [11] and below[20] == []
+    assert PeakWatcher().report_mb() == {}
+
+
+@pytest.mark.integration
+def test_peak_watcher_samples_a_live_child_from_the_real_process_table():
+    import os
+
+    from benchmarks.links import PeakWatcher
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        watcher = PeakWatcher()
+        watcher.watch("me", os.getpid())
+        assert child.pid in watcher.tree["me"] and watcher.main["me"] > 0
+    finally:
+        child.kill()
+        child.wait()
