@@ -46,8 +46,9 @@ def run(spec_path: str, stage: int, rounds: int) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as tmp
 
-    from peer.averaging import _flatten, flatten_into, shared_empty
+    from peer.averaging import _flatten
     from peer.compute import StageCompute
+    from peer.state_stream import flatten_into, shared_empty
     from swarm.run.spec import RunSpec
 
     spec = RunSpec.from_yaml(spec_path)

@@ -23,7 +23,10 @@ donor state is copied once, straight from the live tensors into one flat tensor 
 memory (``shared_empty``, ``flatten_into``; ``StageCompute.export_state(copy=...)``), and the pipe passes its handle; a
 keeper's snapshot, moved into shared memory by its first download, is passed as it is. Each download
 gets a fresh buffer: the averager process reads it after the host has returned, so one buffer reused
-across downloads could change under a download still being sent.
+across downloads could change under a download still being sent. On the wire, both averager processes
+use our own ``rpc_download_state`` and ``_load_state_from_peers`` in place of hivemind's: the same
+messages, built and read with fewer copies, the receiver writing straight into shared memory (note
+"state stream" in peer/state_stream.py; ``python -m benchmarks.state_download``).
 
 Gradient rounds (``combine``; the protocol is in peer/replicas.py): the averager's buffer is ONE
 flat float32 shared-memory tensor: the replica's gradient *sums* and, after them, its micro-batch
@@ -54,6 +57,7 @@ import functools
 import hashlib
 import logging
 import multiprocessing as mp
+import random
 import re
 import signal
 import threading
@@ -64,6 +68,7 @@ from typing import Any, NamedTuple, get_type_hints
 import torch
 
 from peer.round_buffer import RoundBuffer
+from peer.state_stream import StateAssembler, flatten_into, shared_empty, state_parts
 
 DECLARE_STATE_PERIOD_S = 60.0
 """How often a donor re-declares itself (hivemind's ``declare_state_period``; a declaration is a DHT store
@@ -115,22 +120,6 @@ def averager_prefix(run_id: str, spec_hash: str, stage: int) -> str:
     prefix = f"{run_id}_{spec_hash}_stage{stage}"
     assert "." not in prefix  # run ids are [A-Za-z0-9_-] (RunSpec validates it), hashes are hex
     return prefix
-
-
-def shared_empty(numel: int) -> torch.Tensor:
-    """An uninitialised 1-D float32 CPU tensor in shared memory (note "state in shared memory")."""
-    storage = torch.UntypedStorage._new_shared(numel * 4)
-    return torch.empty(0, dtype=torch.float32).set_(storage, 0, (numel,), (1,))
-
-
-def flatten_into(tensors: list[torch.Tensor], empty: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """``tensors`` end to end as float32, copied once into ``empty(total numel)`` (pure)."""
-    flat = empty(sum(t.numel() for t in tensors))
-    offset = 0
-    for t in tensors:
-        flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
-        offset += t.numel()
-    return flat
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -329,8 +318,55 @@ def _make_gated_class() -> type:
             if not self.authorized.allows(_context.remote_id):
                 logger.warning("refused a state download by %s: not an authorized peer", _context.remote_id)
                 return  # an empty stream: the caller moves on to the next donor
-            async for item in super().rpc_download_state(_request, _context):
-                yield item
+            if not self.allow_state_sharing:
+                return  # as hivemind's: not a donor (any more)
+            metadata, tensors, _infos = await self._get_current_state_from_host_process()
+            for (
+                tensor
+            ) in tensors:  # note "state stream" (peer/state_stream.py): hivemind's messages, fewer copies
+                for part in state_parts(tensor):
+                    yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
+                    metadata = None
+
+        async def _load_state_from_peers(self, future, timeout=None):  # noqa: ANN001 -- hivemind's names
+            # hivemind's own, but the parts go straight into one shared-memory tensor (note "state stream")
+            from hivemind.p2p import PeerID
+            from hivemind.utils import ValueWithExpiration
+            from hivemind.utils.asyncio import aiter_with_timeout
+
+            if timeout is not None:  # as hivemind's: the limit applies to each part
+                timeout = (
+                    self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+                )
+            try:
+                prefix = self._matchmaking.group_key_manager.prefix
+                found, _ = self.dht.get(f"{prefix}.all_averagers", latest=True) or ({}, None)
+                priority = {
+                    PeerID(peer_id): (float(info.value), random.random())  # random: the tie breaker
+                    for peer_id, info in (found.items() if isinstance(found, dict) else ())
+                    if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
+                }
+                for peer in sorted(priority, key=priority.get, reverse=True):
+                    if peer == self.peer_id:
+                        continue
+                    try:
+                        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+                        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+                        metadata, assembler = None, StateAssembler()
+                        async for message in aiter_with_timeout(stream, timeout=timeout):
+                            if message.metadata:
+                                metadata = self.serializer.loads(message.metadata)
+                            assembler.add(message.tensor_part)
+                        tensors = assembler.finish()
+                        if metadata:
+                            future.set_result((metadata, tensors))
+                            return
+                        logger.debug("peer %s did not send its state", peer)
+                    except Exception as e:  # noqa: BLE001 -- as hivemind's: try the next donor
+                        logger.info("state download from %s failed: %r", peer, e)
+            finally:
+                if not future.done():
+                    future.set_result(None)
 
         async def rpc_join_group(self, request, context):  # noqa: ANN001
             if not self.authorized.allows(context.remote_id):

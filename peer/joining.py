@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from peer.averaging import StageAverager, flatten_into, shared_empty
+from peer.averaging import StageAverager
 from peer.checkpoint import Checkpoint, load_checkpoint
 from peer.compute import StageCompute
+from peer.state_stream import flatten_into, shared_empty
 from peer.throughput import ServedRate, measure_throughput, store_throughput
 from swarm.errors import ConfigError, RequestError, SwarmError
 

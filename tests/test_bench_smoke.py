@@ -697,3 +697,15 @@ def test_peak_watcher_samples_a_live_child_from_the_real_process_table():
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.integration
+def test_state_download_benchmark_brings_the_state_back_by_both_paths():
+    """benchmarks/state_download.py with a 1 MB state: hivemind's path and ours both deliver it whole
+    (the benchmark checks the contents of every download)."""
+    from benchmarks.state_download import run
+
+    res = run(1.0, rounds=1)
+    assert set(res["medians"]) == {"stream", "stock"}
+    for m in res["medians"].values():
+        assert m["wall_s"] > 0 and m["all_cpu_s"] > 0

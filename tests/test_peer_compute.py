@@ -296,7 +296,8 @@ def test_a_download_exports_the_state_once_into_shared_memory():
     """A donor's state for a download (peer/averaging.py, note "state in shared memory") is copied once
     into one flat float32 tensor in shared memory: the same values as the plain export, passed on as it
     is, independent of the live tensors, and imported like the plain one."""
-    from peer.averaging import _flatten, _unflatten, flatten_into, shared_empty
+    from peer.averaging import _flatten, _unflatten
+    from peer.state_stream import flatten_into, shared_empty
 
     donor = StageCompute(spec(accumulate=1), 0)
     donor.forward("d", tokens(0), "train")
