@@ -141,10 +141,10 @@ def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu(pids: list[int]) -> dict[str, float]:
-    """CPU seconds of these processes and their children: ``python`` (all but the daemons) and
-    ``p2pd``."""
-    total = {"python": 0.0, "p2pd": 0.0}
+def _cpu(pids: list[int]) -> dict[str, int]:
+    """CPU clock ticks of these processes and their children: ``python`` (all but the daemons) and
+    ``p2pd``. Integers, so that differences are exact (float seconds left -1e-14 where there was 0)."""
+    total = {"python": 0, "p2pd": 0}
     for pid in pids:
         for p in [pid, *descendants(pid)]:
             try:
@@ -153,7 +153,7 @@ def _cpu(pids: list[int]) -> dict[str, float]:
             except OSError:
                 continue
             comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1].split()
-            total["p2pd" if comm == "p2pd" else "python"] += (int(rest[11]) + int(rest[12])) / _TICKS
+            total["p2pd" if comm == "p2pd" else "python"] += int(rest[11]) + int(rest[12])
     return total
 
 
@@ -201,7 +201,7 @@ def run(*, calls: int, concurrency: int, channels: str = "on", settle_s: float =
                     cli.stdin.write("\n")
                     cli.stdin.flush()
                     cost = per_call(_delta(c0, c1), _delta(c1, c2), calls)
-                    cpu = per_call(_delta(u0, u1), _delta(u1, u2), calls)
+                    cpu = {k: v / _TICKS for k, v in per_call(_delta(u0, u1), _delta(u1, u2), calls).items()}
                     out.append(
                         {
                             "shape": ready["ready"],
