@@ -20,6 +20,7 @@ go to ``benchmarks/results/state_download.json``. Each download's contents are c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -43,12 +44,11 @@ def _cpu(pids: dict[int, str]) -> dict[str, float]:
     return out
 
 
-def _stock_pair(dht_donor: Any, dht_receiver: Any, state: Any) -> tuple[Any, Any]:
-    """A donor and a receiver that use hivemind's own download code (the averagers' gate still applies)."""
-    import torch
+def _stock_class() -> type:
+    """Our averager class with hivemind's own download code on both sides."""
     from hivemind.averaging import DecentralizedAverager
 
-    from peer.averaging import StageAverager, _make_averager_class
+    from peer.averaging import _make_averager_class
 
     base = _make_averager_class()
 
@@ -61,17 +61,22 @@ def _stock_pair(dht_donor: Any, dht_receiver: Any, state: Any) -> tuple[Any, Any
             await DecentralizedAverager._load_state_from_peers(self, future, timeout)
 
     Stock.rpc_download_state.__annotations__ = base.rpc_download_state.__annotations__
-    return _pair(dht_donor, dht_receiver, state, "stock", lambda: Stock, StageAverager, torch)
+    return Stock
 
 
-def _pair(dht_donor, dht_receiver, state, name, cls_fn, stage_averager, torch):  # noqa: ANN001
+def _pair(dht_donor: Any, dht_receiver: Any, state: Any, name: str, cls: type | None) -> tuple[Any, Any]:
+    """A donor of ``state`` and a receiver, stage averagers of class ``cls`` (None: ours as it is)."""
     from unittest import mock
 
+    import torch
+
+    from peer.averaging import StageAverager
+
     made = []
-    with mock.patch("peer.averaging._make_averager_class", cls_fn):
+    with mock.patch("peer.averaging._make_averager_class", lambda: cls) if cls else contextlib.nullcontext():
         for dht in (dht_donor, dht_receiver):
             made.append(
-                stage_averager.create(
+                StageAverager.create(
                     dht,
                     run_id=f"bench-{name}",
                     spec_hash="0" * 8,
@@ -89,15 +94,13 @@ def run(mb: float, rounds: int) -> dict[str, Any]:
     import psutil
     import torch
 
-    from peer.averaging import StageAverager, _make_averager_class
-
     numel = int(mb * 2**20) // 4
     state = torch.randn(numel)
     dht_a = hivemind.DHT(start=True)
     dht_b = hivemind.DHT(initial_peers=dht_a.get_visible_maddrs(), start=True)
     pairs = {
-        "stream": _pair(dht_a, dht_b, state, "stream", _make_averager_class, StageAverager, torch),
-        "stock": _stock_pair(dht_a, dht_b, state),
+        "stream": _pair(dht_a, dht_b, state, "stream", None),
+        "stock": _pair(dht_a, dht_b, state, "stock", _stock_class()),
     }
     got: dict[str, dict[str, list[float]]] = {way: {} for way in pairs}
     try:

@@ -261,6 +261,9 @@ def _make_averager_class() -> type:  # hivemind is imported lazily (seconds); on
         """A ``DecentralizedAverager`` whose downloadable state is the stage peer's full state."""
 
         state_fn: StateFn | None = None
+        state_numel: int | None = (
+            None  # of the state a download may bring: a donor announcing more is refused
+        )
 
         def get_current_state(self):  # runs in the host process, in hivemind's fetcher thread
             if self.state_fn is None:
@@ -321,9 +324,8 @@ def _make_gated_class() -> type:
             if not self.allow_state_sharing:
                 return  # as hivemind's: not a donor (any more)
             metadata, tensors, _infos = await self._get_current_state_from_host_process()
-            for (
-                tensor
-            ) in tensors:  # note "state stream" (peer/state_stream.py): hivemind's messages, fewer copies
+            # note "state stream" (peer/state_stream.py): hivemind's messages, fewer copies
+            for tensor in tensors:
                 for part in state_parts(tensor):
                     yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
                     metadata = None
@@ -352,7 +354,7 @@ def _make_gated_class() -> type:
                     try:
                         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
                         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-                        metadata, assembler = None, StateAssembler()
+                        metadata, assembler = None, StateAssembler(max_numel=self.state_numel)
                         async for message in aiter_with_timeout(stream, timeout=timeout):
                             if message.metadata:
                                 metadata = self.serializer.loads(message.metadata)
@@ -446,6 +448,7 @@ class StageAverager:
             shutdown_timeout=5.0,
         )
         averager.state_fn = state_fn
+        averager.state_numel = sum(s.numel() for s in sizes)
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:

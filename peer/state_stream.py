@@ -15,8 +15,9 @@ and the move into shared memory on the way back to the host process). Note "stat
 
 The messages are the ones hivemind's own code sends and reads (dtype on the first part, ``chunks`` its
 number of parts), so a donor or receiver on hivemind's stock path interoperates with ours. A part
-that does not fit the shape its first part announced, or a stream that ends short, is refused with a
-``ValueError`` naming the sizes; tensors that are not plain float32 go through hivemind's own
+that does not fit the shape its first part announced, a stream that ends short, or a header that
+announces more elements than the receiver's state holds (checked before anything is allocated: a donor
+cannot make a receiver allocate what it never sends) is refused with a ``ValueError`` naming the sizes; tensors that are not plain float32 go through hivemind's own
 functions.
 """
 
@@ -85,8 +86,9 @@ class StateAssembler:
     part in order, then ``finish``. Float32 tensors are written into ``empty(numel)`` as their parts
     arrive; any other kind is collected and rebuilt by hivemind."""
 
-    def __init__(self, empty: Callable[[int], torch.Tensor] = shared_empty):
+    def __init__(self, empty: Callable[[int], torch.Tensor] = shared_empty, max_numel: int | None = None):
         self._empty = empty
+        self._room = max_numel  # elements all tensors together may have, before any is allocated
         self.tensors: list[torch.Tensor] = []
         self._flat: np.ndarray | None = None  # the current tensor's bytes, when written in place
         self._tensor: torch.Tensor | None = None
@@ -99,6 +101,13 @@ class StateAssembler:
         if part.dtype:  # the first part of a new tensor
             self._close()
             shape = torch.Size(part.size)
+            if self._room is not None:
+                if shape.numel() > self._room:
+                    raise ValueError(
+                        f"a state download announced a tensor of shape {tuple(shape)} ({shape.numel()} "
+                        f"elements) where at most {self._room} more were expected; not allocating it"
+                    )
+                self._room -= shape.numel()
             if part.dtype == "float32" and part.compression == runtime_pb2.CompressionType.NONE:
                 self._tensor = self._empty(shape.numel()).view(shape)
                 self._flat = self._tensor.view(-1).numpy().view(np.uint8)

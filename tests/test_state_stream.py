@@ -11,8 +11,8 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from peer.state_stream import StateAssembler, shared_empty, state_parts
 
 
-def assemble(parts, empty=shared_empty) -> list[torch.Tensor]:
-    assembler = StateAssembler(empty)
+def assemble(parts, empty=shared_empty, max_numel=None) -> list[torch.Tensor]:
+    assembler = StateAssembler(empty, max_numel)
     for part in parts:
         assembler.add(part)
     return assembler.finish()
@@ -58,3 +58,18 @@ def test_a_stream_that_does_not_match_its_header_is_refused():
         assemble(extra)
     with pytest.raises(ValueError, match="before the first part"):
         assemble(parts[1:])
+
+
+def test_a_header_announcing_more_than_the_state_holds_is_refused_before_allocating():
+    allocated = []
+
+    def empty(numel: int) -> torch.Tensor:
+        allocated.append(numel)
+        return torch.empty(numel)
+
+    a, b = torch.randn(10), torch.randn(5)
+    assert [t.numel() for t in assemble([*state_parts(a), *state_parts(b)], empty, max_numel=15)] == [10, 5]
+    allocated.clear()
+    with pytest.raises(ValueError, match=r"shape \(5,\) \(5 elements\) where at most 4 more were expected"):
+        assemble([*state_parts(torch.randn(11)), *state_parts(b)], empty, max_numel=15)
+    assert allocated == [11]  # the first fitted; the second was refused before its allocation
