@@ -715,3 +715,19 @@ def test_state_download_benchmark_brings_the_state_back_by_both_paths():
     assert set(res["medians"]) == {"stream", "stock"}
     for m in res["medians"].values():
         assert m["wall_s"] > 0 and m["all_cpu_s"] > 0
+
+
+def test_snapshot_write_benchmark_writes_both_ways_and_reads_every_store_back(tmp_path):
+    """benchmarks/snapshot_write.py with 1 MB snapshots: both ways write a store of stages x rounds
+    (the 4th round deleting the 1st) that reads back whole; no file is left behind."""
+    from benchmarks.snapshot_write import machine_busy_s, run
+
+    res = run(1.0, stages=2, rounds=4, repeats=2, directory=str(tmp_path))
+    assert set(res["writes"]) == {"drop", "keep"}
+    for way, rows in res["writes"].items():
+        assert len(rows) == 2 * 4 * 2, way
+        assert all(r["wall_s"] > 0 and r["cpu_s"] >= 0 for r in rows)
+        assert len(res["cpu_s_per_store"][way]) == 2
+    assert os.listdir(tmp_path) == []
+    busy = machine_busy_s()
+    assert busy is None or busy > 0

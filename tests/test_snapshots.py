@@ -362,3 +362,40 @@ def test_a_keeper_on_a_slow_link_downloads_a_stage_at_most_link_share_of_the_tim
     clock[0] += 200.0
     keeper.tick()
     assert [d.loads for d in donors] == [2, 2] and keeper.held[0].version == members.version
+
+
+def test_a_written_snapshot_drops_its_cached_pages_after_fsync_and_writes_without_fadvise(
+    tmp_path, monkeypatch
+):
+    """Note "write-once files" (swarm/atomic.py): the pages are dropped once the data is on disk;
+    where the OS has no posix_fadvise, or refuses it, the write is the same."""
+    from swarm import atomic
+
+    calls: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+    if hasattr(os, "posix_fadvise"):
+        real_advise = os.posix_fadvise
+        monkeypatch.setattr(
+            os,
+            "posix_fadvise",
+            lambda fd, off, n, advice: (
+                calls.append(f"advise {advice == os.POSIX_FADV_DONTNEED}"),
+                real_advise(fd, off, n, advice),
+            )[1],
+        )
+    store = SnapshotStore(tmp_path, spec_hash=SPEC_HASH, keep=3)
+    store.write(snap(0, 1))
+    assert calls[:2] == ["fsync", "advise True"] if hasattr(os, "posix_fadvise") else ["fsync"]
+
+    def refuse(*a):
+        raise OSError("fadvise not supported here")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    assert atomic.drop_cached_pages(0) is False
+    store.write(snap(0, 2))
+    monkeypatch.delattr(os, "posix_fadvise")
+    assert atomic.drop_cached_pages(0) is False
+    store.write(snap(0, 3))
+    assert store.versions(0) == [1, 2, 3]
+    torch.testing.assert_close(store.newest(0).flat, snap(0, 3).flat)
