@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 PART_BYTES = 1 << 20
+PART_SLACK = 4096  # bytes over 8 an element that a tensor hivemind rebuilds may bring (headers)
 
 
 def shared_empty(numel: int) -> torch.Tensor:
@@ -94,6 +95,7 @@ class StateAssembler:
         self._tensor: torch.Tensor | None = None
         self._offset = 0
         self._parts: list[Any] = []  # the current tensor's parts, when hivemind rebuilds it
+        self._parts_room, self._parts_shape = 0, torch.Size()  # bytes those parts may still bring
 
     def add(self, part: Any) -> None:
         from hivemind.proto import runtime_pb2
@@ -114,9 +116,18 @@ class StateAssembler:
                 self._offset = 0
             else:
                 self._parts = []
+                # uncompressed, no dtype we share takes over 8 bytes an element; compressed ones take less
+                self._parts_shape, self._parts_room = shape, shape.numel() * 8 + PART_SLACK
         elif self._flat is None and not self._parts:
             raise ValueError("a state download sent a part before the first part of its tensor")
         if self._flat is None:
+            self._parts_room -= len(part.buffer)
+            if self._parts_room < 0:
+                raise ValueError(
+                    f"a state download sent over {self._parts_shape.numel() * 8 + PART_SLACK} bytes for "
+                    f"a {self._parts_shape.numel()}-element tensor of shape {tuple(self._parts_shape)} "
+                    "(at most 8 bytes an element); the donor's state does not match its header"
+                )
             self._parts.append(part)
             return
         data = part.buffer  # one copy out of protobuf

@@ -73,3 +73,15 @@ def test_a_header_announcing_more_than_the_state_holds_is_refused_before_allocat
     with pytest.raises(ValueError, match=r"shape \(5,\) \(5 elements\) where at most 4 more were expected"):
         assemble([*state_parts(torch.randn(11)), *state_parts(b)], empty, max_numel=15)
     assert allocated == [11]  # the first fitted; the second was refused before its allocation
+
+
+def test_a_tensor_that_hivemind_rebuilds_may_not_bring_more_bytes_than_its_header_allows():
+    """Parts of a non-float32 tensor are collected before hivemind rebuilds it: a donor that keeps
+    sending them is stopped at 8 bytes an element (plus headers), not when the receiver runs out."""
+    ints = torch.arange(100, dtype=torch.int64)  # 800 bytes: exactly 8 an element
+    parts = list(state_parts(ints, 64))
+    [back] = assemble(parts)
+    assert torch.equal(back, ints)
+    endless = [*parts, *([type(parts[1])(buffer=b"x" * 1024)] * 5)]
+    with pytest.raises(ValueError, match=r"over 4896 bytes for a 100-element tensor of shape \(100,\)"):
+        assemble(endless)
