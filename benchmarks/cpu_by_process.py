@@ -16,6 +16,10 @@ function of each thread of each process, and it tells a forked child that runs h
 that runs an averager by those entry functions (``peer/dht``, ``peer/averager``). Threads it could not
 name are ``?`` (a native thread, such as torch's, or one that ended between two dumps).
 
+Beside each kind's CPU it prints how much of it was system time and how many minor page faults its
+threads took (``/proc``: a fault maps a page touched for the first time; on the 2-core VM of BENCHMARKS.md
+they cost 20-35 µs each, and a stage peer's first steps take hundreds of thousands of them).
+
 ``--window A:B`` counts only what was spent between A and B seconds after the start (each thread's
 reading at B less its reading at A; a thread born in between counts from 0): the steady state of a run,
 without its start-up and shut-down. It also prints the window's length, so totals read as cores.
@@ -117,14 +121,18 @@ def _child_role(names: dict[int, str]) -> str:
     return "child"
 
 
+Reading = tuple[str, int, int, int]  # a thread's kind of process, CPU ticks, system ticks, minor faults
+
+
 def measure(
     argv: list[str], every_s: float = 1.0, *, threads: bool = False, window: tuple[float, float] | None = None
-) -> tuple[int, dict[str, float], dict[str, float]]:
-    """Run ``argv``; its exit code, CPU seconds by kind of process and (``threads``) by kind of thread,
-    all of the run or (``window``: seconds after the start) between two readings."""
-    last: dict[tuple[int, int], tuple[str, int]] = {}
-    at_start: dict[tuple[int, int], tuple[str, int]] = {}
-    at_end: dict[tuple[int, int], tuple[str, int]] | None = None
+) -> tuple[int, dict[str, float], dict[str, float], dict[str, tuple[float, int]]]:
+    """Run ``argv``; its exit code, CPU seconds by kind of process, (``threads``) by kind of thread, and
+    system seconds and minor faults by kind of process; all of the run or (``window``: seconds after the
+    start) between two readings."""
+    last: dict[tuple[int, int], Reading] = {}
+    at_start: dict[tuple[int, int], Reading] = {}
+    at_end: dict[tuple[int, int], Reading] | None = None
     t0 = time.monotonic()
     labels: dict[int, str] = {}
     names: dict[tuple[int, int], str] = {}
@@ -159,7 +167,8 @@ def measure(
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     with open(f"/proc/{pid}/task/{tid}/stat") as f:
                         fields = f.read().rsplit(")", 1)[1].split()
-                    last[(pid, int(tid))] = (labels[pid], int(fields[11]) + int(fields[12]))
+                    utime, stime, minflt = int(fields[11]), int(fields[12]), int(fields[7])
+                    last[(pid, int(tid))] = (labels[pid], utime + stime, stime, minflt)
             except (OSError, ValueError, IndexError):
                 continue
         if window is not None:
@@ -173,14 +182,20 @@ def measure(
         print(f"cpu_by_process: the run ended before {window[1]:.0f} s; counting to its end", file=sys.stderr)
     totals: dict[str, float] = collections.Counter()
     by_thread: dict[str, float] = collections.Counter()
-    for (pid, tid), (_label, ticks) in (last if at_end is None else at_end).items():
+    system: dict[str, float] = collections.Counter()
+    faults: dict[str, int] = collections.Counter()
+    for (pid, tid), (_label, ticks, sys_ticks, minflt) in (last if at_end is None else at_end).items():
         label = labels.get(pid, _label)
-        ticks -= at_start.get((pid, tid), ("", 0))[1]
+        _, ticks0, sys0, minflt0 = at_start.get((pid, tid), ("", 0, 0, 0))
+        ticks -= ticks0
         totals[label] += ticks / TICKS
+        system[label] += (sys_ticks - sys0) / TICKS
+        faults[label] += minflt - minflt0
         if threads:
             name = names.get((pid, tid), "main" if pid == tid else "?")
             by_thread[f"{label}: {name}"] += ticks / TICKS
-    return proc.returncode, dict(totals), dict(by_thread)
+    kernel = {label: (system[label], faults[label]) for label in totals}
+    return proc.returncode, dict(totals), dict(by_thread), kernel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,12 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         print(__doc__, file=sys.stderr)
         return 2
-    rc, totals, by_thread = measure(args, threads=threads, window=window)
+    rc, totals, by_thread, kernel = measure(args, threads=threads, window=window)
     total = sum(totals.values()) or 1.0
     span = f" between {window[0]:.0f} and {window[1]:.0f} s ({window[1] - window[0]:.0f} s)" if window else ""
-    print(f"CPU seconds, all processes{span}: {total:.1f}")
+    print(f"CPU seconds, all processes{span}: {total:.1f} (of which system, minor page faults)")
     for label, s in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"  {label:40s} {s:7.1f}  {s / total:.1%}")
+        sys_s, minflt = kernel[label]
+        print(f"  {label:40s} {s:7.1f}  {s / total:6.1%}  ({sys_s:.1f} s, {minflt})")
     if threads:
         print("by thread (process kind: python thread name | entry function), 0.5 s or more:")
         for label, s in sorted(by_thread.items(), key=lambda kv: -kv[1]):

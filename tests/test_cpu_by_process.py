@@ -3,6 +3,8 @@ forked DHT process from its averager."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.cpu_by_process import _child_role, parse_dump
 
 DUMP = """Process 2941: python -m swarm.cli peer --stage 0
@@ -40,3 +42,25 @@ def test_window_must_be_two_increasing_times(capsys):
     assert "START:END" in capsys.readouterr().err
     assert main(["--threads", "--window", "90:30", "--", "true"]) == 2
     assert "START must be >= 0 and below END" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_it_counts_system_time_and_the_page_faults_of_a_process_that_touches_new_memory(capsys):
+    """A child that touches 64 MiB of new memory page by page for over a second is seen with its faults."""
+    import sys
+
+    from benchmarks.cpu_by_process import main
+
+    touch = (
+        "import mmap, time; m = mmap.mmap(-1, 64 << 20); "
+        "[m.__setitem__(i, 1) for i in range(0, 64 << 20, 4096)]; time.sleep(1.5)"
+    )
+    assert main(["--", sys.executable, "-c", touch]) == 0
+    out = capsys.readouterr().out
+    assert "(of which system, minor page faults)" in out
+    faults = [
+        int(line.rsplit(",", 1)[1].strip(" )"))
+        for line in out.splitlines()
+        if line.endswith(")") and "%" in line
+    ]
+    assert faults and max(faults) >= 16384  # 64 MiB in 4 KiB pages
