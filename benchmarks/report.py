@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cell", "machine_info", "smooth"]
+__all__ = ["cell", "machine_info", "machine_ticks", "smooth"]
 
 
 def cell(x: Any, fmt: str = ".0f") -> str:
@@ -23,6 +23,15 @@ def smooth(values: list[float], k: int = 3) -> list[float]:
         part = values[max(0, i - k + 1) : i + 1]
         out.append(sum(part) / len(part))
     return out
+
+
+def machine_ticks() -> list[int]:
+    """The machine's CPU clock ticks so far by state (``/proc/stat``'s ``cpu`` line: user, nice, system,
+    idle, iowait, irq, softirq, steal, ...); empty where there is no ``/proc/stat``."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return []
 
 
 def machine_info() -> dict[str, Any]:

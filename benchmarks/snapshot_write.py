@@ -35,11 +35,11 @@ def machine_busy_s() -> float | None:
     """Busy CPU seconds of the whole machine since boot (``/proc/stat``), or None off Linux."""
     import os
 
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
+    from benchmarks.report import machine_ticks
+
+    ticks = machine_ticks()
+    if not ticks:
         return None
-    ticks = [int(x) for x in fields]
     idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
     return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 

@@ -31,7 +31,7 @@ from typing import Any
 from benchmarks.links import Job, LinksConfig, _run_job, pipelining_spec, run_swarm
 from benchmarks.netlab import open_lab
 from benchmarks.pipelining_baseline import ROOT
-from benchmarks.report import machine_info
+from benchmarks.report import machine_info, machine_ticks
 from benchmarks.timeline_analysis import Pass, build_passes, cores, hops, stage_table, steady_window
 
 __all__ = ["analyse_dir", "gantt", "main", "pipelining_busy"]
@@ -103,9 +103,8 @@ def cpu_times() -> tuple[int, int]:
     """The machine's (steal, total) clock ticks so far, from ``/proc/stat`` ((0, 0) where it has none).
     Steal is time the hypervisor gave this virtual machine's cores to others: on a shared host it is
     why the same work takes longer in one run than the next."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
+    fields = machine_ticks()
+    if not fields:
         return 0, 0
     steal = fields[7] if len(fields) > 7 else 0
     return steal, sum(fields[:8])

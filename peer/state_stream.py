@@ -95,7 +95,9 @@ class StateAssembler:
         self._tensor: torch.Tensor | None = None
         self._offset = 0
         self._parts: list[Any] = []  # the current tensor's parts, when hivemind rebuilds it
-        self._parts_room, self._parts_shape = 0, torch.Size()  # bytes those parts may still bring
+        self._parts_shape = torch.Size()  # that tensor's shape, as its first part announced
+        self._parts_limit = 0  # the most bytes its parts may bring
+        self._parts_bytes = 0  # what they brought so far
 
     def add(self, part: Any) -> None:
         from hivemind.proto import runtime_pb2
@@ -117,14 +119,15 @@ class StateAssembler:
             else:
                 self._parts = []
                 # uncompressed, no dtype we share takes over 8 bytes an element; compressed ones take less
-                self._parts_shape, self._parts_room = shape, shape.numel() * 8 + PART_SLACK
+                self._parts_shape, self._parts_limit = shape, shape.numel() * 8 + PART_SLACK
+                self._parts_bytes = 0
         elif self._flat is None and not self._parts:
             raise ValueError("a state download sent a part before the first part of its tensor")
         if self._flat is None:
-            self._parts_room -= len(part.buffer)
-            if self._parts_room < 0:
+            self._parts_bytes += len(part.buffer)
+            if self._parts_bytes > self._parts_limit:
                 raise ValueError(
-                    f"a state download sent over {self._parts_shape.numel() * 8 + PART_SLACK} bytes for "
+                    f"a state download sent over {self._parts_limit} bytes for "
                     f"a {self._parts_shape.numel()}-element tensor of shape {tuple(self._parts_shape)} "
                     "(at most 8 bytes an element); the donor's state does not match its header"
                 )
