@@ -65,6 +65,8 @@ def _descendants(root: int) -> list[int]:
 
 
 def _kind(pid: int) -> str | None:
+    """The kind of process ``pid`` is, from its command line; "" once it has exited (a zombie's command
+    line is empty) and None where /proc has no such process."""
     try:
         with open(f"/proc/{pid}/cmdline") as f:
             cmd = f.read().replace("\0", " ")
@@ -73,7 +75,7 @@ def _kind(pid: int) -> str | None:
     for needle, kind in (("p2pd", "p2pd"), (" peer ", "peer"), (" train ", "trainer"), (" demo ", "demo")):
         if needle in cmd:
             return kind
-    return cmd[:60] or "?"
+    return cmd[:60]
 
 
 def _ppid(pid: int) -> int | None:
@@ -154,10 +156,12 @@ def measure(
                     labels[pid] = label.rsplit("/", 1)[0] + "/" + _child_role(found)
         for pid in _descendants(proc.pid):
             kind, ppid = _kind(pid), _ppid(pid)
-            if kind is None or ppid is None:
+            if kind is None or ppid is None or (kind == "" and pid not in labels):
                 continue
             parent = labels.get(ppid) or _kind(ppid) or "?"
-            if kind == "p2pd":
+            if kind == "":  # exited, not yet reaped: its last counters count under the label it had alive
+                pass
+            elif kind == "p2pd":
                 labels[pid] = f"{parent}/p2pd"
             elif parent.split("/")[0] == kind:  # forked (same command line): hivemind's DHT, averager
                 labels.setdefault(pid, f"{parent}/child")

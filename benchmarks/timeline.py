@@ -209,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--tag", default="", help="results/timeline_<tag>.json and .png")
     p.add_argument("--no-pipelining", action="store_true", help="swarm runs only")
+    p.add_argument("--no-swarm", action="store_true", help="1F1B runs only")
     p.add_argument("--trainer-args", default="", help="more swarm train flags, e.g. '--fixed-inflight'")
     p.add_argument(
         "--no-keeper",
@@ -237,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--render", action="store_true", help="rewrite BENCHMARKS.md 'Where the cycles go' from the JSON"
     )
     args = p.parse_args(argv)
+    if args.no_swarm and args.no_pipelining:
+        p.error("--no-swarm with --no-pipelining leaves nothing to run; drop one of them")
     if args.render:
         from benchmarks import overhead
 
@@ -272,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             r = run_once(
                 lcfg,
                 Path(tmp) / f"rep{rep}",
-                swarm=True,
+                swarm=not args.no_swarm,
                 pipelining=not args.no_pipelining,
                 mb=args.micro_batches,
                 trainer_args=args.trainer_args.split(),
@@ -282,14 +285,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 codec=args.codec,
                 pipelining_first=args.alternate and rep % 2 == 1,
             )
-            passes = r.pop("_passes")
-            if rep == 0:
+            passes = r.pop("_passes", None)
+            if rep == 0 and passes is not None:
                 gantt(passes, tuple(r["swarm"]["window"]), RESULTS / f"{name}.png")
             report["runs"].append(r)
-            s, q = r["swarm"], r.get("pipelining") or {}
+            s, q = r.get("swarm") or {}, r.get("pipelining") or {}
             print(
-                f"rep {rep} ({r['order']}): swarm {s['tokens_per_s'] or 0:.0f} tokens/s "
-                f"({s.get('tokens_per_s_overall') or 0:.0f} overall), {s['cores']['busy_cores']:.2f} cores busy, "
+                f"rep {rep} ({r['order']}): swarm {s.get('tokens_per_s') or 0:.0f} tokens/s "
+                f"({s.get('tokens_per_s_overall') or 0:.0f} overall), "
+                f"{s.get('cores', {}).get('busy_cores', 0):.2f} cores busy, "
                 f"steal {100 * (s.get('steal') or 0):.1f}%; 1F1B {q.get('tokens_per_s') or 0:.0f} tokens/s "
                 f"({q.get('tokens_per_s_overall') or 0:.0f} overall), {q.get('busy_cores', 0):.2f} cores busy, "
                 f"steal {100 * (q.get('steal') or 0):.1f}%",
@@ -297,7 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     report["wall_s"] = time.time() - t0
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: v for k, v in report["runs"][0]["swarm"].items() if k != "window"}, indent=1))
+    first = report["runs"][0]
+    print(
+        json.dumps(
+            {k: v for k, v in (first.get("swarm") or first["pipelining"]).items() if k != "window"}, indent=1
+        )
+    )
     return 0
 
 

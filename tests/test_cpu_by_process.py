@@ -64,3 +64,23 @@ def test_it_counts_system_time_and_the_page_faults_of_a_process_that_touches_new
         if line.endswith(")") and "%" in line
     ]
     assert faults and max(faults) >= 16384  # 64 MiB in 4 KiB pages
+
+
+@pytest.mark.integration
+def test_a_process_that_exited_keeps_the_kind_it_had_while_it_ran():
+    """A child seen alive, then left unreaped (a zombie: its command line reads empty) while its parent
+    sleeps, still counts under its kind, not under an empty or unknown one."""
+    import sys
+
+    from benchmarks.cpu_by_process import measure
+
+    burn = "import time; t = time.process_time(); exec('while time.process_time() - t < 1.5: pass')"
+    parent = (
+        "import subprocess, sys, time; "
+        f"c = subprocess.Popen([sys.executable, '-c', {burn!r}, 'demo']); "
+        "time.sleep(4.0); c.wait()"
+    )
+    rc, totals, _, _ = measure([sys.executable, "-c", parent], every_s=0.2)
+    assert rc == 0
+    assert totals.get("demo", 0.0) >= 1.0, totals
+    assert not {"", "?"} & set(totals), totals

@@ -171,6 +171,15 @@ def test_steal_share_is_the_stolen_part_of_the_ticks_between_readings():
     assert steal_share((5, 100), (5, 100)) is None  # no ticks passed: no share
 
 
+def test_timeline_refuses_to_run_neither_side(capsys):
+    from benchmarks.timeline import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--no-swarm", "--no-pipelining"])
+    assert e.value.code == 2
+    assert "--no-swarm with --no-pipelining leaves nothing to run" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_timeline_benchmark_smoke(tmp_path):
     """A tiny swarm with timelines and a tiny 1F1B on loopback: the analysis and the chart come out."""
