@@ -18,7 +18,8 @@ name are ``?`` (a native thread, such as torch's, or one that ended between two 
 
 Beside each kind's CPU it prints how much of it was system time and how many minor page faults its
 threads took (``/proc``: a fault maps a page touched for the first time; on the 2-core VM of BENCHMARKS.md
-they cost 20-35 µs each, and a stage peer's first steps take hundreds of thousands of them).
+they cost 6-35 µs each from run to run, and a stage peer's first steps take hundreds of thousands of
+them).
 
 ``--window A:B`` counts only what was spent between A and B seconds after the start (each thread's
 reading at B less its reading at A; a thread born in between counts from 0): the steady state of a run,
@@ -158,15 +159,14 @@ def measure(
             kind, ppid = _kind(pid), _ppid(pid)
             if kind is None or ppid is None or (kind == "" and pid not in labels):
                 continue
-            parent = labels.get(ppid) or _kind(ppid) or "?"
-            if kind == "":  # exited, not yet reaped: its last counters count under the label it had alive
-                pass
-            elif kind == "p2pd":
-                labels[pid] = f"{parent}/p2pd"
-            elif parent.split("/")[0] == kind:  # forked (same command line): hivemind's DHT, averager
-                labels.setdefault(pid, f"{parent}/child")
-            else:
-                labels[pid] = kind
+            if kind:  # "": exited, not yet reaped; its last counters count under the label it had alive
+                parent = labels.get(ppid) or _kind(ppid) or "?"
+                if kind == "p2pd":
+                    labels[pid] = f"{parent}/p2pd"
+                elif parent.split("/")[0] == kind:  # forked (same command line): hivemind's DHT, averager
+                    labels.setdefault(pid, f"{parent}/child")
+                else:
+                    labels[pid] = kind
             try:
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     with open(f"/proc/{pid}/task/{tid}/stat") as f:
